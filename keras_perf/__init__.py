@@ -1,0 +1,22 @@
+"""keras-perf: faster, smaller, harder-to-break training for Keras 3.
+
+    import keras_perf as kp
+
+Every public name is re-exported here explicitly; the modules hold one concept each.
+"""
+
+from keras_perf import backend
+from keras_perf._utils import KerasPerfWarning
+from keras_perf.devices import configure_devices, device_report
+from keras_perf.mixed_precision import check_mixed_precision, setup_mixed_precision
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "KerasPerfWarning",
+    "backend",
+    "check_mixed_precision",
+    "configure_devices",
+    "device_report",
+    "setup_mixed_precision",
+]

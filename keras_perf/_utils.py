@@ -1,0 +1,100 @@
+"""Small shared helpers: argument validation, warnings, layer traversal.
+
+Every public piece validates its arguments with these helpers so that errors read the same
+everywhere: they name the argument, show the value received and say what is accepted.
+"""
+
+from __future__ import annotations
+
+import numbers
+import warnings
+from collections.abc import Iterator
+
+import keras
+
+
+class KerasPerfWarning(UserWarning):
+    """Category of every warning keras-perf emits (tests turn it into an error)."""
+
+
+def warn(message: str, stacklevel: int = 3) -> None:
+    """Emit a `KerasPerfWarning` pointing at the user's call site."""
+    warnings.warn(message, KerasPerfWarning, stacklevel=stacklevel)
+
+
+def check_int(name: str, value, *, minimum: int | None = None, allow_none: bool = False):
+    """Return `value` if it is an int (not a bool) >= `minimum`; raise otherwise."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"`{name}` must be an integer, got {value!r} of type {type(value).__name__}.")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}.")
+    return int(value)
+
+
+def check_number(
+    name: str,
+    value,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_inclusive: bool = True,
+    high_inclusive: bool = True,
+    allow_none: bool = False,
+):
+    """Return `value` as a float if it is a real number inside the given interval."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"`{name}` must be a number, got {value!r} of type {type(value).__name__}.")
+    value = float(value)
+    too_low = low is not None and (value < low if low_inclusive else value <= low)
+    too_high = high is not None and (value > high if high_inclusive else value >= high)
+    if too_low or too_high or value != value:  # value != value: NaN
+        lo = "-inf" if low is None else repr(low)
+        hi = "inf" if high is None else repr(high)
+        interval = f"{'[' if low_inclusive and low is not None else '('}{lo}, {hi}{']' if high_inclusive and high is not None else ')'}"
+        raise ValueError(f"`{name}` must be in {interval}, got {value!r}.")
+    return value
+
+
+def check_bool(name: str, value) -> bool:
+    """Return `value` if it is a bool; raise `TypeError` otherwise."""
+    if not isinstance(value, bool):
+        raise TypeError(f"`{name}` must be True or False, got {value!r}.")
+    return value
+
+
+def check_choice(name: str, value, choices):
+    """Return `value` if it is one of `choices`; raise `ValueError` listing them otherwise."""
+    if value not in choices:
+        options = ", ".join(repr(c) for c in choices)
+        raise ValueError(f"`{name}` must be one of {options}; got {value!r}.")
+    return value
+
+
+def iter_layers(model: keras.layers.Layer) -> Iterator[keras.layers.Layer]:
+    """Yield every layer nested inside `model` (depth first, each once, `model` excluded).
+
+    Works for Sequential, Functional and subclassed models and for layers nested in layers,
+    because it walks Keras' own layer tracking rather than `model.layers` alone.
+    """
+    seen = {id(model)}
+    stack = list(reversed(_direct_sublayers(model)))
+    while stack:
+        layer = stack.pop()
+        if id(layer) in seen:
+            continue
+        seen.add(id(layer))
+        yield layer
+        stack.extend(reversed(_direct_sublayers(layer)))
+
+
+def _direct_sublayers(layer) -> list:
+    # Keras 3 tracks sub-layers of any layer in `_layers` (models and plain layers alike);
+    # `layers` is only public on models. Checked with Keras 3.8-3.13.
+    sub = getattr(layer, "_layers", None)
+    if sub is None:
+        sub = getattr(layer, "layers", [])
+    return [s for s in sub if isinstance(s, keras.layers.Layer)]

@@ -1,0 +1,85 @@
+"""TensorFlow implementation of the backend interface (see `keras_perf.backend`)."""
+
+from __future__ import annotations
+
+import tensorflow as tf
+
+
+def is_oom_error(exc: BaseException) -> bool:
+    if isinstance(exc, tf.errors.ResourceExhaustedError):
+        return True
+    # On some GPU paths TF's allocator failure surfaces as an InternalError
+    # ("Dst tensor is not initialized") instead of ResourceExhaustedError.
+    if isinstance(exc, tf.errors.InternalError) and "Dst tensor is not initialized" in str(exc):
+        return True
+    return False
+
+
+def _gpus():
+    return tf.config.list_physical_devices("GPU")
+
+
+def memory_stats():
+    if not _gpus():
+        return None
+    try:
+        info = tf.config.experimental.get_memory_info("GPU:0")
+    except (ValueError, RuntimeError):
+        return None
+    return {"current_bytes": int(info["current"]), "peak_bytes": int(info["peak"]), "device": "GPU:0"}
+
+
+def reset_peak_memory() -> bool:
+    if not _gpus():
+        return False
+    try:
+        tf.config.experimental.reset_memory_stats("GPU:0")
+    except (ValueError, RuntimeError):
+        return False
+    return True
+
+
+def list_devices():
+    devices = []
+    for dev in tf.config.list_physical_devices():
+        kind = dev.device_type
+        entry = {"name": dev.name, "kind": kind, "memory_bytes": None, "compute_capability": None}
+        if kind == "GPU":
+            try:
+                details = tf.config.experimental.get_device_details(dev)
+            except (ValueError, RuntimeError):
+                details = {}
+            entry["name"] = details.get("device_name", dev.name)
+            entry["compute_capability"] = details.get("compute_capability")
+        devices.append(entry)
+    return devices
+
+
+def configure_devices(memory_growth: bool, memory_limit_mb):
+    gpus = _gpus()
+    notes = []
+    if not gpus:
+        return ["no GPU visible to TensorFlow: nothing to configure"]
+    try:
+        for gpu in gpus:
+            if memory_limit_mb is not None:
+                # TF refuses memory growth on a device that has a virtual-device limit.
+                tf.config.set_logical_device_configuration(
+                    gpu, [tf.config.LogicalDeviceConfiguration(memory_limit=int(memory_limit_mb))]
+                )
+                notes.append(f"{gpu.name}: memory limited to {memory_limit_mb} MB")
+            else:
+                tf.config.experimental.set_memory_growth(gpu, memory_growth)
+                notes.append(f"{gpu.name}: memory growth {'on' if memory_growth else 'off'}")
+    except RuntimeError as e:
+        raise RuntimeError(
+            "configure_devices() must run before TensorFlow initialises its GPUs: call it right "
+            f"after `import keras_perf`, before building any model. TensorFlow said: {e}"
+        ) from e
+    return notes
+
+
+def clear_memory() -> None:
+    # TensorFlow's BFC allocator keeps its pool and has no public call to return it; the
+    # tensors of a failed step are freed by the garbage collection the caller runs.
+    return None

@@ -1,0 +1,67 @@
+"""PyTorch implementation of the backend interface (see `keras_perf.backend`)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def is_oom_error(exc: BaseException) -> bool:
+    oom_type = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", None)
+    if oom_type is not None and isinstance(exc, oom_type):
+        return True
+    # Older releases and non-CUDA allocators raise a plain RuntimeError.
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+def memory_stats():
+    if not torch.cuda.is_available():
+        return None
+    return {
+        "current_bytes": int(torch.cuda.memory_allocated()),
+        "peak_bytes": int(torch.cuda.max_memory_allocated()),
+        "device": f"cuda:{torch.cuda.current_device()}",
+    }
+
+
+def reset_peak_memory() -> bool:
+    if not torch.cuda.is_available():
+        return False
+    torch.cuda.reset_peak_memory_stats()
+    return True
+
+
+def list_devices():
+    devices = [{"name": "cpu", "kind": "CPU", "memory_bytes": None, "compute_capability": None}]
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(i)
+            devices.append(
+                {
+                    "name": props.name,
+                    "kind": "GPU",
+                    "memory_bytes": int(props.total_memory),
+                    "compute_capability": (props.major, props.minor),
+                }
+            )
+    return devices
+
+
+def configure_devices(memory_growth: bool, memory_limit_mb):
+    if not torch.cuda.is_available():
+        return ["no CUDA device visible to PyTorch: nothing to configure"]
+    # PyTorch's caching allocator already grows on demand: memory_growth=True is its default.
+    notes = ["memory growth: PyTorch's caching allocator always allocates on demand"]
+    if not memory_growth:
+        notes.append("memory_growth=False has no PyTorch equivalent (it never preallocates)")
+    if memory_limit_mb is not None:
+        for i in range(torch.cuda.device_count()):
+            total = torch.cuda.get_device_properties(i).total_memory
+            fraction = min(1.0, memory_limit_mb * 2**20 / total)
+            torch.cuda.set_per_process_memory_fraction(fraction, i)
+            notes.append(f"cuda:{i}: memory limited to {memory_limit_mb} MB ({fraction:.1%})")
+    return notes
+
+
+def clear_memory() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()

@@ -1,0 +1,171 @@
+"""Choosing a mixed-precision policy and checking a model against it."""
+
+from __future__ import annotations
+
+import keras
+
+from keras_perf import backend as _backend
+from keras_perf._utils import check_choice, iter_layers
+
+__all__ = ["setup_mixed_precision", "check_mixed_precision", "auto_policy"]
+
+POLICIES = ("auto", "mixed_float16", "mixed_bfloat16", "float32")
+_HALF = ("float16", "bfloat16")
+
+
+def auto_policy(devices: list[dict] | None = None) -> str:
+    """The policy `setup_mixed_precision("auto")` would choose for `devices`.
+
+    Args:
+        devices: Device dicts as returned by `kp.device_report()`. Defaults to the devices of
+            the current backend.
+
+    Returns:
+        `"mixed_float16"`, `"mixed_bfloat16"` or `"float32"`.
+    """
+    devices = _backend.list_devices() if devices is None else devices
+    gpus = [d for d in devices if d["kind"] == "GPU"]
+    if gpus and all((d.get("compute_capability") or (0, 0)) >= (7, 0) for d in gpus):
+        return "mixed_float16"
+    if any(d["kind"] == "TPU" for d in devices):
+        return "mixed_bfloat16"
+    return "float32"
+
+
+def setup_mixed_precision(policy: str = "auto") -> str:
+    """Set Keras' global dtype policy and return its name.
+
+    `"auto"` picks:
+
+    - `"mixed_float16"` when every visible GPU is a CUDA GPU of compute capability >= 7.0
+      (Volta and newer have float16 tensor cores). float16 is chosen over bfloat16 even on
+      Ampere and newer because it runs on every such GPU at the same tensor-core speed and
+      keras-perf's train step makes its loss scaling free and visible; pass
+      `"mixed_bfloat16"` yourself on compute capability >= 8.0 to skip loss scaling entirely.
+    - `"mixed_bfloat16"` on TPU, whose matrix units compute in bfloat16.
+    - `"float32"` on CPU and older GPUs, where half precision is emulated and slower.
+
+    Under a mixed policy keep the model's last layer in float32
+    (`Dense(..., dtype="float32")`): `kp.check_mixed_precision(model)` reports it otherwise.
+
+    Args:
+        policy: `"auto"`, `"mixed_float16"`, `"mixed_bfloat16"` or `"float32"`.
+            Defaults to `"auto"`.
+
+    Returns:
+        The name of the policy now in force.
+
+    Raises:
+        ValueError: `policy` is not one of the accepted names.
+
+    Example:
+        >>> import keras_perf as kp
+        >>> kp.setup_mixed_precision("float32")
+        'float32'
+    """
+    if not isinstance(policy, str):
+        raise TypeError(f"`policy` must be a string, one of {POLICIES}; got {policy!r}.")
+    check_choice("policy", policy, POLICIES)
+    name = auto_policy() if policy == "auto" else policy
+    keras.mixed_precision.set_global_policy(name)
+    return name
+
+
+def _output_layers(model) -> list:
+    outputs = getattr(model, "outputs", None)
+    layers = []
+    if outputs:
+        for t in outputs:
+            # KerasTensor records the operation that produced it in `_keras_history`.
+            history = getattr(t, "_keras_history", None)
+            if history is not None and isinstance(history[0], keras.layers.Layer):
+                layers.append(history[0])
+    if not layers and getattr(model, "layers", None):
+        layers.append(model.layers[-1])
+    return layers
+
+
+def _activation_name(layer) -> str | None:
+    act = getattr(layer, "activation", None)
+    if act is None:
+        return None
+    return getattr(act, "__name__", str(act))
+
+
+def check_mixed_precision(model: keras.Model) -> list[str]:
+    """Look for mixed-precision mistakes in `model`; return readable findings.
+
+    Checks:
+
+    - an output layer computing in float16/bfloat16 (a softmax or sigmoid in half precision
+      saturates and its probabilities lose precision: keep the last layer in float32);
+    - a layer whose dtype policy computes in float16 while the global policy is float32 (it
+      gets no loss scaling, so its small gradients underflow);
+    - a model with a custom `train_step` compiled under `mixed_float16` with an optimizer that
+      is not a `LossScaleOptimizer` (gradients underflow), unless the model uses
+      `kp.LossScaleTrainStep`, which scales the loss itself;
+    - `mixed_float16` with no GPU (float16 arithmetic is emulated on CPU and slower).
+
+    Args:
+        model: A built Keras model.
+
+    Returns:
+        A list of findings, each one sentence naming the layer and the fix. Empty when
+        nothing is wrong.
+
+    Raises:
+        TypeError: `model` is not a Keras layer or model.
+
+    Example:
+        >>> import keras, keras_perf as kp
+        >>> m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="softmax")])
+        >>> kp.check_mixed_precision(m)
+        []
+    """
+    if not isinstance(model, keras.layers.Layer):
+        raise TypeError(f"`model` must be a Keras model, got {type(model).__name__}.")
+    findings = []
+    global_policy = keras.mixed_precision.global_policy().name
+    model_policy = getattr(model.dtype_policy, "name", global_policy)
+
+    for layer in _output_layers(model):
+        compute = layer.dtype_policy.compute_dtype
+        if compute in _HALF:
+            act = _activation_name(layer)
+            what = f"a {act} " if act in ("softmax", "sigmoid") else ""
+            findings.append(
+                f"Output layer '{layer.name}' computes {what}in {compute}: half-precision "
+                "outputs lose precision and saturate. Give it dtype='float32' "
+                f"(e.g. keras.layers.Dense(..., dtype='float32')) or add "
+                "keras.layers.Activation('linear', dtype='float32') after it."
+            )
+
+    if global_policy == "float32":
+        for layer in iter_layers(model):
+            if layer.dtype_policy.compute_dtype == "float16":
+                findings.append(
+                    f"Layer '{layer.name}' computes in float16 while the global policy is "
+                    "float32: no loss scaling is applied to it, so its gradients can underflow. "
+                    "Use kp.setup_mixed_precision('mixed_float16') or give it dtype='float32'."
+                )
+
+    uses_fp16 = "mixed_float16" in (global_policy, model_policy)
+    optimizer = getattr(model, "optimizer", None)
+    if uses_fp16 and optimizer is not None:
+        custom_step = type(model).train_step is not keras.Model.train_step
+        ours = getattr(type(model), "_keras_perf_scales_loss", False)
+        scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+        if custom_step and not ours and not scaled:
+            findings.append(
+                f"Model '{model.name}' has a custom train_step under mixed_float16 but its "
+                f"optimizer ({type(optimizer).__name__}) is not loss-scaled: float16 gradients "
+                "will underflow. Wrap it in keras.optimizers.LossScaleOptimizer and call "
+                "optimizer.scale_loss(loss), or subclass kp.LossScaleTrainStep."
+            )
+
+    if uses_fp16 and not any(d["kind"] == "GPU" for d in _backend.list_devices()):
+        findings.append(
+            "The policy is mixed_float16 but no GPU is visible: float16 arithmetic is emulated "
+            "on CPU and slower than float32. Use kp.setup_mixed_precision('auto')."
+        )
+    return findings

@@ -1,0 +1,90 @@
+"""The backend shim: OOM detection, memory stats, device list, host memory."""
+
+import keras
+import pytest
+
+from keras_perf import backend
+
+BACKEND = keras.backend.backend()
+
+
+def _backend_oom():
+    """Build the out-of-memory exception the current backend really raises."""
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        return tf.errors.ResourceExhaustedError(None, None, "OOM when allocating tensor")
+    if BACKEND == "jax":
+        from jax.errors import JaxRuntimeError
+
+        return JaxRuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 1.0GiB")
+    import torch
+
+    return torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+def test_backend_module_matches_keras():
+    assert backend.BACKEND == BACKEND
+    assert backend._impl.__name__ == f"keras_perf.backend.{BACKEND}"
+
+
+def test_oom_detected():
+    assert backend.is_oom(_backend_oom())
+
+
+def test_oom_detected_through_cause():
+    try:
+        try:
+            raise _backend_oom()
+        except Exception as inner:
+            raise RuntimeError("wrapped by a callback") from inner
+    except RuntimeError as outer:
+        assert backend.is_oom(outer)
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [ValueError("out of range"), RuntimeError("shapes do not match"), KeyError("x"), MemoryError()],
+)
+def test_other_errors_are_not_oom(exc):
+    assert not backend.is_oom(exc)
+
+
+@pytest.mark.backends("tensorflow")
+def test_tf_dst_tensor_internal_error_is_oom():
+    import tensorflow as tf
+
+    assert backend.is_oom(tf.errors.InternalError(None, None, "Dst tensor is not initialized."))
+    assert not backend.is_oom(tf.errors.InternalError(None, None, "some other failure"))
+
+
+@pytest.mark.backends("torch")
+def test_torch_runtime_error_out_of_memory_is_oom():
+    assert backend.is_oom(RuntimeError("CUDA error: out of memory"))
+
+
+def test_list_devices_has_cpu_with_fields():
+    devices = backend.list_devices()
+    assert any(d["kind"] == "CPU" for d in devices)
+    for d in devices:
+        assert set(d) == {"name", "kind", "memory_bytes", "compute_capability"}
+
+
+def test_memory_stats_none_without_accelerator():
+    if backend.has_accelerator():
+        stats = backend.memory_stats()
+        assert stats["peak_bytes"] >= stats["current_bytes"] >= 0
+    else:
+        assert backend.memory_stats() is None
+        assert backend.reset_peak_memory() is False
+
+
+def test_host_memory_is_plausible():
+    mem = backend.host_memory()
+    # A Python process with Keras loaded holds well over 50 MB and far less than 1 TB.
+    assert 50e6 < mem["peak_bytes"] < 1e12
+    assert mem["current_bytes"] is None or 50e6 < mem["current_bytes"] <= mem["peak_bytes"] * 1.01
+
+
+def test_clear_memory_runs():
+    backend.clear_memory()

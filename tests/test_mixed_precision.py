@@ -1,0 +1,95 @@
+import keras
+import pytest
+
+import keras_perf as kp
+from keras_perf.mixed_precision import auto_policy
+
+
+def test_auto_on_cpu_is_float32():
+    assert kp.setup_mixed_precision("auto") == auto_policy() == "float32"
+    assert keras.mixed_precision.global_policy().name == "float32"
+
+
+@pytest.mark.parametrize("name", ["mixed_float16", "mixed_bfloat16", "float32"])
+def test_explicit_policy_is_set(name):
+    assert kp.setup_mixed_precision(name) == name
+    assert keras.mixed_precision.global_policy().name == name
+
+
+@pytest.mark.parametrize(
+    "devices, expected",
+    [
+        ([{"kind": "CPU", "compute_capability": None}], "float32"),
+        ([{"kind": "GPU", "compute_capability": (8, 0)}], "mixed_float16"),
+        ([{"kind": "GPU", "compute_capability": (7, 0)}], "mixed_float16"),
+        ([{"kind": "GPU", "compute_capability": (6, 1)}], "float32"),
+        ([{"kind": "GPU", "compute_capability": (9, 0)}, {"kind": "GPU", "compute_capability": (6, 0)}], "float32"),
+        ([{"kind": "CPU"}, {"kind": "TPU"}], "mixed_bfloat16"),
+    ],
+)
+def test_auto_policy_rules(devices, expected):
+    assert auto_policy(devices) == expected
+
+
+def test_bad_policy_names_the_argument():
+    with pytest.raises(ValueError, match=r"`policy` must be one of .*mixed_float16.*'fp8'"):
+        kp.setup_mixed_precision("fp8")
+    with pytest.raises(TypeError, match="policy"):
+        kp.setup_mixed_precision(16)
+    assert keras.mixed_precision.global_policy().name == "float32"
+
+
+def _mlp(output_dtype=None):
+    inputs = keras.Input((8,))
+    x = keras.layers.Dense(16, activation="relu")(inputs)
+    outputs = keras.layers.Dense(4, activation="softmax", dtype=output_dtype, name="probs")(x)
+    return keras.Model(inputs, outputs)
+
+
+def test_float16_softmax_output_is_found():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    findings = kp.check_mixed_precision(_mlp())
+    assert any("'probs'" in f and "softmax" in f and "float16" in f for f in findings), findings
+
+
+def test_float32_softmax_output_passes():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    findings = kp.check_mixed_precision(_mlp(output_dtype="float32"))
+    assert not [f for f in findings if "Output layer" in f]
+
+
+def test_sequential_output_checked_too():
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2, activation="sigmoid", name="out")])
+    findings = kp.check_mixed_precision(model)
+    assert len(findings) == 1 and "'out'" in findings[0] and "bfloat16" in findings[0]
+
+
+def test_float32_model_is_clean():
+    assert kp.check_mixed_precision(_mlp()) == []
+
+
+def test_float16_layer_under_float32_policy_found():
+    inputs = keras.Input((8,))
+    x = keras.layers.Dense(16, dtype="mixed_float16", name="half")(inputs)
+    outputs = keras.layers.Dense(4, dtype="float32")(x)
+    findings = kp.check_mixed_precision(keras.Model(inputs, outputs))
+    assert len(findings) == 1 and "'half'" in findings[0]
+
+
+def test_custom_train_step_without_loss_scaling_found():
+    class Custom(keras.Model):
+        def train_step(self, *args, **kwargs):  # pragma: no cover - never run
+            return super().train_step(*args, **kwargs)
+
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    inputs = keras.Input((8,))
+    model = Custom(inputs, keras.layers.Dense(4, dtype="float32")(inputs))
+    model.compile(optimizer=keras.optimizers.SGD(), loss="mse", auto_scale_loss=False)
+    findings = kp.check_mixed_precision(model)
+    assert any("custom train_step" in f and "not loss-scaled" in f for f in findings), findings
+
+
+def test_check_rejects_non_models():
+    with pytest.raises(TypeError, match="model"):
+        kp.check_mixed_precision("model.keras")

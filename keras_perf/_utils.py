@@ -98,3 +98,13 @@ def _direct_sublayers(layer) -> list:
     if sub is None:
         sub = getattr(layer, "layers", [])
     return [s for s in sub if isinstance(s, keras.layers.Layer)]
+
+
+def map_batch(fn, structure):
+    """Apply `fn` to every tensor of a (nested) batch structure, leaving `None` entries alone."""
+    return keras.tree.map_structure(lambda t: None if t is None else fn(t), structure)
+
+
+def first_tensor(structure):
+    """The first non-None tensor of a (nested) batch structure (its batch size is the batch's)."""
+    return next(t for t in keras.tree.flatten(structure) if t is not None)

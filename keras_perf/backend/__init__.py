@@ -15,7 +15,9 @@ Interface (every implementation module provides these names):
 - ``configure_devices(memory_growth, memory_limit_mb) -> list[str]``: apply what the backend
   supports; returns human-readable notes on what was done.
 - ``clear_memory() -> None``: release cached accelerator memory (after an OOM).
-- ``train_step_mixin() -> type``: the loss-scaling train-step mixin class for this backend.
+
+Beside each, ``train_step_<backend>.py`` holds that backend's ``TrainStep`` mixin, exported
+here as ``TrainStepBase``.
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ memory_stats = _impl.memory_stats
 reset_peak_memory = _impl.reset_peak_memory
 list_devices = _impl.list_devices
 configure_devices = _impl.configure_devices
+_step = importlib.import_module(f"{__name__}.train_step_{_MODULES[BACKEND]}")
+#: Base class of `kp.LossScaleTrainStep`: the train step for this backend.
+TrainStepBase = _step.TrainStep
 
 
 def clear_memory() -> None:
@@ -77,3 +82,13 @@ def host_memory() -> dict:
 def has_accelerator() -> bool:
     """Whether the backend sees a GPU or TPU."""
     return any(d["kind"] in ("GPU", "TPU") for d in list_devices())
+
+
+def is_functional(model) -> bool:
+    """Whether `model` is a Functional model (Sequential models with an input count too)."""
+    # Private import: Keras exports no public Functional class (checked on Keras 3.8-3.15).
+    from keras.src.models.functional import Functional
+
+    return isinstance(model, Functional) or (
+        isinstance(model, keras.Sequential) and bool(getattr(model, "inputs", None))
+    )

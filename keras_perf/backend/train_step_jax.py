@@ -1,0 +1,121 @@
+"""JAX train step of `kp.LossScaleTrainStep` (see keras_perf/train_step.py).
+
+Stateless, like Keras' own: `train_step(state, data) -> (logs, state)`. Shapes are static in
+JAX, so the slicing is decided in Python: equal slices run under `jax.lax.scan` (one slice's
+activations alive at a time, one traced copy of the model) and a shorter remainder slice, if
+any, runs once after it.
+"""
+
+from __future__ import annotations
+
+import jax
+import keras
+from keras import ops
+
+from keras_perf._utils import first_tensor, map_batch
+
+# Private import: Keras' scope for running stateful Keras code on explicit state values
+# (what Keras' own JAX trainer uses; checked on Keras 3.8-3.15).
+from keras.src.backend import StatelessScope
+
+
+
+def _index(variables, target):
+    for i, v in enumerate(variables):
+        if v is target:
+            return i
+    raise ValueError(f"variable {target.path} not found")
+
+
+class TrainStep:
+    """JAX `train_step(state, data)`; mixed into `kp.LossScaleTrainStep`."""
+
+    def train_step(self, state, data):
+        self._kp_in_train_step = True
+        try:
+            return self._kp_train_step(state, data)
+        finally:
+            self._kp_in_train_step = False
+
+    def _kp_grad_fn(self, weight):
+        def weighted(*args, **kwargs):
+            loss, aux = self.compute_loss_and_updates(*args, **kwargs)
+            return loss * weight, aux
+
+        return jax.value_and_grad(weighted, has_aux=True)
+
+    def _kp_slice(self, trainable, non_trainable, metrics_vars, optimizer_vars, x, y, sw, weight):
+        """Gradients of one slice; returns (grads, non_trainable, metrics_vars)."""
+        (_, aux), grads = self._kp_grad_fn(weight)(
+            trainable,
+            non_trainable,
+            metrics_vars,
+            x,
+            y,
+            sw,
+            training=True,
+            optimizer_variables=optimizer_vars,
+        )
+        unscaled_loss, y_pred, non_trainable, metrics_vars = aux
+        _, metrics_vars = self._update_metrics_variables(metrics_vars, unscaled_loss, x, y, y_pred, sw)
+        return grads, non_trainable, metrics_vars
+
+    def _kp_train_step(self, state, data):
+        trainable, non_trainable, optimizer_vars, metrics_vars = state
+        x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
+        batch = int(first_tensor(x).shape[0])
+        size, count = self._kp_slice_size(batch)
+        full = batch // size  # slices of exactly `size`
+        rest = batch - full * size
+
+        if full == 1 and rest == 0:
+            grads, non_trainable, metrics_vars = self._kp_slice(
+                trainable, non_trainable, metrics_vars, optimizer_vars, x, y, sw, 1.0
+            )
+        else:
+            def split(t):
+                return t[: full * size].reshape((full, size) + t.shape[1:])
+
+            slices = map_batch(split, (x, y, sw))
+
+            def body(carry, sl):
+                acc, ntv, mv = carry
+                g, ntv, mv = self._kp_slice(trainable, ntv, mv, optimizer_vars, *sl, size / batch)
+                return (jax.tree_util.tree_map(jax.numpy.add, acc, g), ntv, mv), None
+
+            zeros = jax.tree_util.tree_map(jax.numpy.zeros_like, trainable)
+            (grads, non_trainable, metrics_vars), _ = jax.lax.scan(
+                body, (zeros, non_trainable, metrics_vars), slices
+            )
+            if rest:
+                tail = map_batch(lambda t: t[full * size :], (x, y, sw))
+                g, non_trainable, metrics_vars = self._kp_slice(
+                    trainable, non_trainable, metrics_vars, optimizer_vars, *tail, rest / batch
+                )
+                grads = jax.tree_util.tree_map(jax.numpy.add, grads, g)
+
+        lso = self.loss_scale_optimizer
+        scale_index = _index(self.optimizer.variables, lso.dynamic_scale) if lso is not None else None
+        scale = optimizer_vars[scale_index] if lso is not None else None
+        grads, finite, norm = self._kp_process_gradients(grads, scale)
+        if lso is not None:
+            trainable, optimizer_vars = self.optimizer.stateless_apply(optimizer_vars, grads, trainable)
+        else:
+            old = (trainable, optimizer_vars)
+            trainable, optimizer_vars = ops.cond(
+                finite,
+                lambda: tuple(self.optimizer.stateless_apply(optimizer_vars, grads, trainable)),
+                lambda: old,
+            )
+
+        mapping = list(zip(self.metrics_variables, metrics_vars))
+        with StatelessScope(state_mapping=mapping) as scope:
+            self._kp_update_step_metrics(norm, finite)
+            logs = self.get_metrics_result()
+        metrics_vars = [
+            scope.get_current_value(v) if scope.get_current_value(v) is not None else value
+            for v, value in mapping
+        ]
+        if lso is not None:
+            logs["loss_scale"] = optimizer_vars[scale_index]
+        return logs, (trainable, non_trainable, optimizer_vars, metrics_vars)

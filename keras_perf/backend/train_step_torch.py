@@ -1,0 +1,68 @@
+"""PyTorch train step of `kp.LossScaleTrainStep` (see keras_perf/train_step.py).
+
+PyTorch runs eagerly, so slices are a Python loop and `backward()` accumulates each slice's
+gradient into `.grad`, as gradient accumulation is written by hand in PyTorch.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import keras
+import torch
+
+from keras_perf._utils import first_tensor, map_batch
+
+
+
+class TrainStep:
+    """PyTorch `train_step(data)`; mixed into `kp.LossScaleTrainStep`."""
+
+    def train_step(self, data):
+        self._kp_in_train_step = True
+        try:
+            return self._kp_train_step(data)
+        finally:
+            self._kp_in_train_step = False
+
+    def _kp_train_step(self, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        variables = self.trainable_weights[:]
+        batch = int(first_tensor(x).shape[0])
+        size, count = self._kp_slice_size(batch)
+        self.zero_grad()
+        for i in range(count):
+            start, stop = i * size, min((i + 1) * size, batch)
+            if count == 1:
+                xs, ys, sws = x, y, sample_weight
+            else:
+                xs, ys, sws = map_batch(lambda t: t[start:stop], (x, y, sample_weight))
+            y_pred = self(xs, training=True) if self._call_has_training_arg else self(xs)
+            loss = self._compute_loss(x=xs, y=ys, y_pred=y_pred, sample_weight=sws, training=True)
+            self._loss_tracker.update_state(loss, sample_weight=stop - start)
+            scaled = loss * ((stop - start) / batch)
+            if self.optimizer is not None:
+                scaled = self.optimizer.scale_loss(scaled)
+            if variables:
+                scaled.backward()
+            self.compute_metrics(xs, ys, y_pred, sample_weight=sws)
+
+        if variables:
+            grads = [v.value.grad for v in variables]
+            lso = self.loss_scale_optimizer
+            with torch.no_grad():
+                grads, finite, norm = self._kp_process_gradients(
+                    grads, lso.dynamic_scale if lso is not None else None
+                )
+                if lso is not None:
+                    self.optimizer.apply(grads, variables)
+                elif bool(finite):  # the one host sync of this path (see the mixin's docstring)
+                    self.optimizer.apply(grads, variables)
+                self._kp_update_step_metrics(norm, finite)
+        else:
+            warnings.warn("The model does not have any trainable weights.", stacklevel=2)
+
+        logs = self.get_metrics_result()
+        if self.loss_scale_optimizer is not None:
+            logs["loss_scale"] = self.loss_scale_optimizer.dynamic_scale.value.detach().clone()
+        return logs

@@ -157,6 +157,14 @@ class LossScaleTrainStep(_backend.TrainStepBase):
                 name="loss_scale_optimizer",
             )
 
+    def compile_from_config(self, config):
+        # Keras skips compile-on-load for models that override compile(); ours only adds the
+        # optimizer wrapping, so loading compiles as Keras would (then restores the optimizer
+        # state, including the loss scale, into the re-wrapped optimizer).
+        self.compile(**keras.saving.deserialize_keras_object(config))
+        if self.optimizer is not None and self.built:
+            self.optimizer.build(self.trainable_variables)
+
     def _kp_uses_float16(self) -> bool:
         if self.dtype_policy.compute_dtype == "float16":
             return True

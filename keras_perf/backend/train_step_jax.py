@@ -12,12 +12,11 @@ import jax
 import keras
 from keras import ops
 
-from keras_perf._utils import first_tensor, map_batch
-
 # Private import: Keras' scope for running stateful Keras code on explicit state values
 # (what Keras' own JAX trainer uses; checked on Keras 3.8-3.15).
 from keras.src.backend import StatelessScope
 
+from keras_perf._utils import first_tensor, map_batch
 
 
 def _index(variables, target):

@@ -14,13 +14,11 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-from keras_perf._utils import first_tensor, map_batch
-
 # Private import: Keras divides the loss by the replica count under tf.distribute and tracks
 # the undivided value; this is its helper for that (checked on Keras 3.8-3.15).
 from keras.src.losses.loss import unscale_loss_for_distribution
 
-
+from keras_perf._utils import first_tensor, map_batch
 
 
 class TrainStep:
@@ -38,12 +36,14 @@ class TrainStep:
             scaled = self.optimizer.scale_loss(scaled)
         return scaled, y_pred
 
-    def _kp_slice_grads(self, x, y, sample_weight, weight, variables):
+    def _kp_slice_grads(self, x, y, sample_weight, weight):
         with tf.GradientTape() as tape:
             scaled, y_pred = self._kp_slice_loss(x, y, sample_weight, weight)
-        grads = tape.gradient(scaled, variables)
+        # Read after the forward pass: a subclassed model creates its weights on first call.
+        variables = self.trainable_weights
+        grads = tape.gradient(scaled, variables) if variables else []
         self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
-        return grads
+        return grads, variables
 
     def train_step(self, data):
         self._kp_in_train_step = True
@@ -54,9 +54,6 @@ class TrainStep:
 
     def _kp_train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        variables = self.trainable_weights
-        if not variables:
-            warnings.warn("The model does not have any trainable weights.", stacklevel=2)
         batch = tf.shape(first_tensor(x))[0]
         size, count = self._kp_slice_size(batch)
         batch_f = tf.cast(batch, "float32")
@@ -68,9 +65,10 @@ class TrainStep:
         # The first slice (the whole batch when microbatches == 1).
         stop, weight = slice_weight(0)
         if self.microbatches == 1:
-            grads = self._kp_slice_grads(x, y, sample_weight, 1.0, variables)
+            grads, variables = self._kp_slice_grads(x, y, sample_weight, 1.0)
         else:
-            grads = self._kp_slice_grads(*map_batch(lambda t: t[:stop], (x, y, sample_weight)), weight, variables)
+            first = map_batch(lambda t: t[:stop], (x, y, sample_weight))
+            grads, variables = self._kp_slice_grads(*first, weight)
         connected = [i for i, g in enumerate(grads) if g is not None]
 
         if self.microbatches > 1:
@@ -79,7 +77,7 @@ class TrainStep:
                 start = i * size
                 stop, weight = slice_weight(start)
                 sl = map_batch(lambda t: t[start:stop], (x, y, sample_weight))
-                g = self._kp_slice_grads(*sl, weight, variables)
+                g, _ = self._kp_slice_grads(*sl, weight)
                 return i + 1, [a + g[j] for a, j in zip(acc, connected)]
 
             _, acc = tf.while_loop(
@@ -89,8 +87,15 @@ class TrainStep:
             for j, a in zip(connected, acc):
                 grads[j] = a
 
-        if variables:
+        if not variables:
+            warnings.warn("The model does not have any trainable weights.", stacklevel=2)
+        else:
             lso = self.loss_scale_optimizer
+            if lso is not None and not lso.built:
+                # Without a tf.distribute strategy Keras builds the optimizer while the step
+                # is first traced (TensorFlow then traces again with the variables in place).
+                with keras.name_scope(lso.name, caller=lso):
+                    lso.build(variables)
             scale = lso.dynamic_scale if lso is not None else None
             grads, finite, norm = self._kp_process_gradients(grads, scale)
             pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]

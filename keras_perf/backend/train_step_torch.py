@@ -14,7 +14,6 @@ import torch
 from keras_perf._utils import first_tensor, map_batch
 
 
-
 class TrainStep:
     """PyTorch `train_step(data)`; mixed into `kp.LossScaleTrainStep`."""
 
@@ -36,7 +35,7 @@ class TrainStep:
             if count == 1:
                 xs, ys, sws = x, y, sample_weight
             else:
-                xs, ys, sws = map_batch(lambda t: t[start:stop], (x, y, sample_weight))
+                xs, ys, sws = map_batch(lambda t, a=start, b=stop: t[a:b], (x, y, sample_weight))
             y_pred = self(xs, training=True) if self._call_has_training_arg else self(xs)
             loss = self._compute_loss(x=xs, y=ys, y_pred=y_pred, sample_weight=sws, training=True)
             self._loss_tracker.update_state(loss, sample_weight=stop - start)

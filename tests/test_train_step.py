@@ -1,0 +1,381 @@
+"""kp.LossScaleTrainStep / kp.loss_scaled: equivalence, overflow skipping, scaling, clipping."""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_perf as kp
+
+BACKEND = keras.backend.backend()
+SCE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def _mlp(seed=0, n_in=6, n_out=3):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential(
+        [keras.Input((n_in,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(n_out)]
+    )
+
+
+def _cnn(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential(
+        [
+            keras.Input((8, 8, 1)),
+            keras.layers.Conv2D(4, 3, activation="relu"),
+            keras.layers.MaxPooling2D(),
+            keras.layers.Flatten(),
+            keras.layers.Dense(3),
+        ]
+    )
+
+
+def _data(n=37, shape=(6,), seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, *shape)).astype("float32"), rng.integers(0, 3, n)
+
+
+def _max_diff(a, b):
+    return max(float(np.max(np.abs(u - v))) for u, v in zip(a.get_weights(), b.get_weights()))
+
+
+@pytest.mark.parametrize("builder, shape", [(_mlp, (6,)), (_cnn, (8, 8, 1))], ids=["dense", "conv"])
+@pytest.mark.parametrize("microbatches", [1, 2, 4])
+def test_microbatches_match_stock_fit(builder, shape, microbatches):
+    # 37 examples in batches of 10: the last batch (7) is cut unevenly (e.g. 2+2+2+1 for k=4).
+    x, y = _data(shape=shape)
+    ref = builder()
+    ref.compile(keras.optimizers.Adam(0.01), SCE, metrics=["accuracy"])
+    h_ref = ref.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0)
+
+    model = kp.loss_scaled(builder(), microbatches=microbatches)
+    model.compile(keras.optimizers.Adam(0.01), SCE, metrics=["accuracy"])
+    h = model.fit(x, y, batch_size=10, epochs=2, shuffle=False, verbose=0)
+
+    assert _max_diff(ref, model) < 1e-5
+    np.testing.assert_allclose(h.history["loss"], h_ref.history["loss"], rtol=1e-5)
+    np.testing.assert_allclose(h.history["accuracy"], h_ref.history["accuracy"], atol=1e-6)
+    assert h.history["skipped_steps"] == [0, 0]
+    assert int(model.optimizer.iterations) == 8  # 4 steps per epoch whatever the slicing
+
+
+def test_sample_weights_are_sliced_with_the_batch():
+    x, y = _data()
+    sw = np.linspace(0.1, 2.0, len(x)).astype("float32")
+    ref = _mlp()
+    ref.compile(keras.optimizers.SGD(0.1), SCE)
+    ref.fit(x, y, sample_weight=sw, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    model = kp.loss_scaled(_mlp(), microbatches=4)
+    model.compile(keras.optimizers.SGD(0.1), SCE)
+    model.fit(x, y, sample_weight=sw, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert _max_diff(ref, model) < 1e-5
+
+
+def test_batch_smaller_than_microbatches_uses_fewer_slices():
+    x, y = _data(n=3)
+    ref = _mlp()
+    ref.compile(keras.optimizers.SGD(0.1), SCE)
+    ref.fit(x, y, batch_size=3, epochs=1, shuffle=False, verbose=0)
+    model = kp.loss_scaled(_mlp(), microbatches=8)
+    assert model._kp_slice_size(3) == (1, 3)
+    model.compile(keras.optimizers.SGD(0.1), SCE)
+    model.fit(x, y, batch_size=3, epochs=1, shuffle=False, verbose=0)
+    assert _max_diff(ref, model) < 1e-6
+
+
+@pytest.mark.parametrize("batch, k, expected", [(10, 4, (3, 4)), (7, 4, (2, 4)), (5, 4, (2, 3)), (8, 1, (8, 1))])
+def test_slice_sizes_never_leave_an_empty_slice(batch, k, expected):
+    model = kp.loss_scaled(_mlp(), microbatches=k)
+    size, count = model._kp_slice_size(batch)
+    assert (size, count) == expected
+    assert (count - 1) * size < batch <= count * size
+
+
+def test_microbatches_changeable_between_fits():
+    x, y = _data()
+    ref = _mlp()
+    ref.compile(keras.optimizers.SGD(0.1), SCE)
+    ref.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    model = kp.loss_scaled(_mlp())
+    model.compile(keras.optimizers.SGD(0.1), SCE)
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    model.microbatches = 4
+    assert model.train_function is None  # rebuilt with the new slicing
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert _max_diff(ref, model) < 1e-5
+
+
+def test_layers_and_weights_are_shared_not_copied():
+    base = _mlp()
+    model = kp.loss_scaled(base)
+    own = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
+    assert [id(layer) for layer in own] == [id(layer) for layer in base.layers]
+    assert model.trainable_weights[0] is base.trainable_weights[0]
+
+
+def test_compiled_model_keeps_its_optimizer_and_loss():
+    base = _mlp()
+    opt = keras.optimizers.Adam(0.003)
+    base.compile(opt, SCE, metrics=["accuracy"])
+    model = kp.loss_scaled(base, microbatches=2)
+    assert model.optimizer is opt
+    x, y = _data()
+    h = model.fit(x, y, batch_size=8, verbose=0)
+    assert {"loss", "accuracy", "grad_norm", "skipped_steps"} <= set(h.history)
+
+
+def test_evaluate_logs_have_no_train_step_keys():
+    x, y = _data()
+    model = kp.loss_scaled(_mlp())
+    model.compile("sgd", SCE, metrics=["accuracy"])
+    h = model.fit(x, y, validation_data=(x, y), batch_size=8, verbose=0)
+    assert "val_grad_norm" not in h.history and "val_skipped_steps" not in h.history
+    result = model.evaluate(x, y, verbose=0, return_dict=True)
+    assert set(result) == {"loss", "accuracy"}
+
+
+class SubclassedNet(kp.LossScaleTrainStep, keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(8, activation="tanh")
+        self.out = keras.layers.Dense(3)
+
+    def call(self, x):
+        return self.out(self.hidden(x))
+
+
+def test_mixin_on_subclassed_model_matches_stock():
+    x, y = _data()
+
+    class Stock(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.hidden = keras.layers.Dense(8, activation="tanh")
+            self.out = keras.layers.Dense(3)
+
+        def call(self, x):
+            return self.out(self.hidden(x))
+
+    keras.utils.set_random_seed(3)
+    ref = Stock()
+    ref.compile(keras.optimizers.SGD(0.1), SCE)
+    ref.fit(x, y, batch_size=10, epochs=1, shuffle=False, verbose=0)
+    keras.utils.set_random_seed(3)
+    model = SubclassedNet(microbatches=3)
+    model.compile(keras.optimizers.SGD(0.1), SCE)
+    model.fit(x, y, batch_size=10, epochs=1, shuffle=False, verbose=0)
+    assert _max_diff(ref, model) < 1e-5
+
+
+def test_loss_scaled_rejects_subclassed_models_with_pointer_to_mixin():
+    class Sub(keras.Model):
+        def call(self, x):
+            return x
+
+    with pytest.raises(TypeError, match="LossScaleTrainStep"):
+        kp.loss_scaled(Sub())
+
+
+def test_loss_scaled_rejects_unbuilt_sequential():
+    with pytest.raises(ValueError, match="input shape"):
+        kp.loss_scaled(keras.Sequential([keras.layers.Dense(2)]))
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        ({"microbatches": 0}, ValueError, "microbatches"),
+        ({"microbatches": -2}, ValueError, "microbatches"),
+        ({"microbatches": 2.0}, TypeError, "microbatches"),
+        ({"microbatches": "4"}, TypeError, "microbatches"),
+        ({"clipnorm": 0.0}, ValueError, "clipnorm"),
+        ({"clipnorm": -1}, ValueError, "clipnorm"),
+        ({"initial_scale": 0}, ValueError, "initial_scale"),
+        ({"dynamic_growth_steps": 0}, ValueError, "dynamic_growth_steps"),
+    ],
+)
+def test_bad_arguments(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        kp.loss_scaled(_mlp(), **kwargs)
+
+
+def test_bad_setter_values_leave_settings_unchanged():
+    model = kp.loss_scaled(_mlp(), microbatches=2)
+    with pytest.raises(ValueError, match="microbatches"):
+        model.microbatches = 0
+    with pytest.raises(ValueError, match="clipnorm"):
+        kp.loss_scaled(model, microbatches=4, clipnorm=-1.0)
+    assert model.microbatches == 2
+
+
+def test_loss_scaled_rejects_non_models():
+    with pytest.raises(TypeError, match="model"):
+        kp.loss_scaled(keras.layers.Dense(3))
+
+
+def test_clipnorm_update_equals_hand_computed_clipped_update():
+    # Linear model, MSE, SGD: gradient by hand, then clipped to norm 0.1.
+    keras.utils.set_random_seed(0)
+    base = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    model = kp.loss_scaled(base, clipnorm=0.1)
+    model.compile(keras.optimizers.SGD(0.5), "mse")
+    x = np.array([[1.0, 2.0, 3.0], [0.5, -1.0, 2.0]], "float32")
+    y = np.array([[10.0], [-4.0]], "float32")
+    w, b = (np.array(v, dtype="float64") for v in model.get_weights())
+    err = x @ w + b - y  # (2, 1)
+    gw = 2 * x.T @ err / len(x)
+    gb = 2 * err.sum(axis=0) / len(x)
+    norm = np.sqrt((gw**2).sum() + (gb**2).sum())
+    assert norm > 0.1  # the clip is active
+    factor = 0.1 / norm
+    logs = model.train_on_batch(x, y, return_dict=True)
+    new_w, new_b = model.get_weights()
+    np.testing.assert_allclose(new_w, w - 0.5 * factor * gw, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(new_b, b - 0.5 * factor * gb, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(logs["grad_norm"], norm, rtol=1e-5)
+
+
+def _fp16_model(growth=2000):
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    base = keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dense(3, dtype="float32"),
+        ]
+    )
+    model = kp.loss_scaled(base, dynamic_growth_steps=growth)
+    model.compile(keras.optimizers.Adam(0.01), SCE)
+    return model
+
+
+def test_float16_wraps_plain_optimizer_and_logs_scale():
+    model = _fp16_model()
+    assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    x, y = _data(n=8)
+    logs = model.train_on_batch(x, y, return_dict=True)
+    assert float(logs["loss_scale"]) == 2.0**15
+
+
+def test_no_scaling_under_float32_and_bfloat16():
+    model = kp.loss_scaled(_mlp())
+    model.compile("adam", SCE)
+    assert model.loss_scale_optimizer is None
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    model = kp.loss_scaled(_mlp())
+    model.compile("adam", SCE)
+    assert model.loss_scale_optimizer is None
+    x, y = _data(n=8)
+    assert "loss_scale" not in model.train_on_batch(x, y, return_dict=True)
+
+
+def test_overflow_steps_are_skipped_and_scale_backs_off():
+    model = _fp16_model()
+    x, y = _data(n=8)
+    ones = np.ones(len(x), "float32")
+    model.train_on_batch(x, y, sample_weight=ones)  # builds and takes one good step
+    before = [keras.ops.convert_to_numpy(v) for v in model.get_weights()]
+    slots = [keras.ops.convert_to_numpy(v) for v in model.optimizer.variables]
+    iterations = int(model.optimizer.iterations)
+    # A loss this large overflows float16 in the backward pass once scaled by 2**15.
+    logs = model.train_on_batch(x, y, sample_weight=ones * 1e30, return_dict=True)
+    assert int(logs["skipped_steps"]) == 1
+    assert float(logs["loss_scale"]) == 2.0**14
+    assert int(model.optimizer.iterations) == iterations
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    scale_var = model.optimizer.dynamic_scale
+    for a, v in zip(slots, model.optimizer.variables):
+        if v is not scale_var and "step_counter" not in v.path:
+            np.testing.assert_array_equal(a, keras.ops.convert_to_numpy(v))
+    logs = model.train_on_batch(x, y, sample_weight=ones, return_dict=True)
+    assert int(logs["skipped_steps"]) == 0
+    assert int(model.optimizer.iterations) == iterations + 1
+
+
+def test_scale_grows_after_growth_interval():
+    model = _fp16_model(growth=3)
+    x, y = _data(n=8)
+    scales = [float(model.train_on_batch(x, y, return_dict=True)["loss_scale"]) for _ in range(7)]
+    assert scales == [2.0**15, 2.0**15, 2.0**16, 2.0**16, 2.0**16, 2.0**17, 2.0**17]
+
+
+def test_non_finite_step_skipped_in_float32_too():
+    model = kp.loss_scaled(_mlp())
+    model.compile(keras.optimizers.Adam(0.01), SCE)
+    x, y = _data(n=8)
+    model.train_on_batch(x, y)
+    before = [keras.ops.convert_to_numpy(v) for v in model.get_weights()]
+    iterations = int(model.optimizer.iterations)
+    bad = x.copy()
+    bad[0, 0] = np.nan
+    logs = model.train_on_batch(bad, y, return_dict=True)
+    assert int(logs["skipped_steps"]) == 1
+    assert int(model.optimizer.iterations) == iterations
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_overflow_injected_during_fit_on_digits_still_converges(digits):
+    (x, y), (xt, yt) = digits
+    x, y = x[:640], y[:640]
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    keras.utils.set_random_seed(0)
+    base = keras.Sequential(
+        [keras.Input((64,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10, dtype="float32")]
+    )
+    model = kp.loss_scaled(base, microbatches=2)
+    model.compile(keras.optimizers.Adam(0.01), SCE, metrics=["accuracy"])
+    sw = np.ones(len(x), "float32")
+    poisoned_batches = [3, 11, 17]  # batch indices within each epoch (batch size 32)
+    for b in poisoned_batches:
+        sw[b * 32 : (b + 1) * 32] = 1e30
+    h = model.fit(x, y, sample_weight=sw, batch_size=32, epochs=4, shuffle=False, verbose=0)
+    assert h.history["skipped_steps"] == [3, 3, 3, 3]
+    assert int(model.optimizer.iterations) == 4 * (20 - 3)
+    acc = model.evaluate(xt, yt, verbose=0, return_dict=True)["accuracy"]
+    assert acc > 0.9, acc
+
+
+@pytest.mark.backends("tensorflow", "jax")
+def test_jit_compile_and_steps_per_execution():
+    x, y = _data(n=40)
+    ref = _mlp()
+    ref.compile(keras.optimizers.SGD(0.1), SCE, jit_compile=True, steps_per_execution=2)
+    ref.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    model = kp.loss_scaled(_mlp(), microbatches=2)
+    model.compile(keras.optimizers.SGD(0.1), SCE, jit_compile=True, steps_per_execution=2)
+    h = model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert _max_diff(ref, model) < 1e-5
+    assert int(model.optimizer.iterations) == 5 and h.history["skipped_steps"] == [0]
+
+
+def test_save_load_round_trip_keeps_settings_and_scale(tmp_path):
+    model = _fp16_model(growth=2)
+    model.microbatches, model.clipnorm = 4, 5.0
+    x, y = _data(n=16)
+    for _ in range(5):
+        model.train_on_batch(x, y)
+    scale = float(model.optimizer.dynamic_scale)
+    assert scale == 2.0**17  # grew twice: the state to keep is not the initial one
+    path = tmp_path / "m.keras"
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert isinstance(loaded, kp.LossScaledModel)
+    assert (loaded.microbatches, loaded.clipnorm, loaded.dynamic_growth_steps) == (4, 5.0, 2)
+    assert float(loaded.optimizer.dynamic_scale) == scale
+    assert int(loaded.optimizer.iterations) == int(model.optimizer.iterations)
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), atol=1e-6)
+    # Training resumes from the same state on both.
+    a = model.train_on_batch(x, y, return_dict=True)
+    b = loaded.train_on_batch(x, y, return_dict=True)
+    assert float(a["loss_scale"]) == float(b["loss_scale"])
+    assert _max_diff(model, loaded) < 1e-5
+
+
+def test_get_config_round_trip():
+    model = kp.loss_scaled(_mlp(), microbatches=3, clipnorm=2.0, initial_scale=1024.0)
+    clone = kp.LossScaledModel.from_config(model.get_config())
+    assert (clone.microbatches, clone.clipnorm, clone.initial_scale) == (3, 2.0, 1024.0)
+    assert len(clone.weights) == len(model.weights)

@@ -135,15 +135,18 @@ def export_tflite(
     if not path.parent.exists():
         raise ValueError(f"`path`'s directory {str(path.parent)!r} does not exist.")
 
+    arrays = None
+    if quantization == "int8" and not callable(representative_data):
+        arrays = _calibration_arrays(model, representative_data, calibration_samples)
+
     if keras.backend.backend() == "torch":
         return _export_via_tensorflow_process(
-            model, path, quantization, representative_data, calibration_samples, int8_io,
-            list(custom_modules),
+            model, path, quantization, arrays, int8_io, list(custom_modules)
         )
 
     dataset = None
     if quantization == "int8":
-        dataset = _representative_dataset(model, representative_data, calibration_samples)
+        dataset = representative_data if arrays is None else _dataset(arrays)
     with tempfile.TemporaryDirectory() as saved_model_dir:
         model.export(saved_model_dir, format="tf_saved_model", verbose=False)
         content = _tflite.convert_saved_model(saved_model_dir, quantization, dataset, int8_io)
@@ -167,9 +170,7 @@ def _input_count(model) -> int:
         return 1
 
 
-def _representative_dataset(model, data, samples: int) -> Callable:
-    if callable(data):
-        return data
+def _calibration_arrays(model, data, samples: int) -> list[np.ndarray]:
     n_inputs = _input_count(model)
     if n_inputs == 1:
         arrays = [np.asarray(data, dtype="float32")]
@@ -186,10 +187,12 @@ def _representative_dataset(model, data, samples: int) -> Callable:
             "`representative_data` must hold at least one example per input, with the same "
             f"number of examples for every input; got shapes {[a.shape for a in arrays]}."
         )
-    count = min(samples, lengths.pop())
+    return [a[:samples] for a in arrays]
 
+
+def _dataset(arrays: list[np.ndarray]) -> Callable:
     def dataset():
-        for i in range(count):
+        for i in range(len(arrays[0])):
             yield [a[i : i + 1] for a in arrays]
 
     return dataset
@@ -230,9 +233,9 @@ print("KERAS_PERF_REPORT " + json.dumps(report))
 
 
 def _export_via_tensorflow_process(
-    model, path, quantization, data, calibration_samples, int8_io, custom_modules
+    model, path, quantization, arrays, int8_io, custom_modules
 ) -> dict:
-    if callable(data):
+    if quantization == "int8" and arrays is None:
         raise ValueError(
             "On the PyTorch backend the conversion runs in a TensorFlow child process, so "
             "`representative_data` must be arrays, not a callable."
@@ -249,20 +252,17 @@ def _export_via_tensorflow_process(
                 "`get_config`, or export from the TensorFlow or JAX backend."
             ) from e
         data_files = None
-        if data is not None:
-            n_inputs = _input_count(model)
-            arrays = list(data) if n_inputs > 1 and isinstance(data, (list, tuple)) else [data]
+        if arrays is not None:
             data_files = []
             for i, a in enumerate(arrays):
-                f = os.path.join(tmp, f"data{i}.npy")
-                np.save(f, np.asarray(a, dtype="float32")[:calibration_samples])
-                data_files.append(f)
+                data_files.append(os.path.join(tmp, f"data{i}.npy"))
+                np.save(data_files[-1], a)
         args = {
             "model": model_file,
             "path": str(path),
             "quantization": quantization,
             "data": data_files,
-            "calibration_samples": calibration_samples,
+            "calibration_samples": len(arrays[0]) if arrays else 1,
             "int8_io": int8_io,
             "custom_modules": custom_modules,
         }
@@ -401,7 +401,7 @@ def compression_report(model: keras.Model, compresslevel: int = 9) -> dict:
     blobs = []
     for vid, v in variables.items():
         layer = owner[vid]
-        value = np.asarray(v.numpy())
+        value = np.asarray(keras.ops.convert_to_numpy(v.value))
         raw = np.ascontiguousarray(value).tobytes()
         row = rows.setdefault(
             id(layer),

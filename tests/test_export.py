@@ -119,6 +119,32 @@ def test_int8_with_float_io_and_callable_calibration(trained, digits, tmp_path):
     assert np.mean(np.argmax(tfl, 1) == np.argmax(logits, 1)) >= 0.95
 
 
+@pytest.mark.backends("torch")
+def test_torch_refuses_a_callable_representative_dataset(trained, tmp_path):
+    model, _ = trained
+    with pytest.raises(ValueError, match="must be arrays, not a callable"):
+        kp.export_tflite(model, tmp_path / "m.tflite", "int8", representative_data=lambda: iter([]))
+
+
+@pytest.mark.backends("tensorflow", "jax")
+def test_subclassed_model_called_once_exports(digits, tmp_path):
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.hidden = keras.layers.Dense(8, activation="relu")
+            self.out = keras.layers.Dense(3)
+
+        def call(self, x):
+            return self.out(self.hidden(x))
+
+    (x, _), _ = digits
+    model = Net()
+    expected = keras.ops.convert_to_numpy(model(x[:20]))
+    report = kp.export_tflite(model, tmp_path / "net.tflite", "float16")
+    np.testing.assert_allclose(kp.tflite_predict(report["path"], x[:20]), expected, atol=1e-2)
+    assert kp.compression_report(model)["total"]["params"] == 64 * 8 + 8 + 8 * 3 + 3
+
+
 def test_int8_without_representative_data_is_a_clear_error(trained, tmp_path):
     model, _ = trained
     with pytest.raises(ValueError, match="int8.*needs `representative_data`"):
@@ -195,7 +221,7 @@ def test_compression_report_counts_exactly():
     assert total["nonzero"] == 256 + 160
     assert total["bytes"] == 4 * total["params"]
     # gzip of exactly the weight bytes, in variable order.
-    raw = b"".join(np.asarray(v.numpy()).tobytes() for v in model.weights)
+    raw = b"".join(keras.ops.convert_to_numpy(v.value).tobytes() for v in model.weights)
     assert total["gzip_bytes"] == len(gzip.compress(raw, compresslevel=9, mtime=0))
     assert total["compression_ratio"] == pytest.approx(total["bytes"] / total["gzip_bytes"])
 
@@ -204,7 +230,7 @@ def test_pruned_weights_compress_better():
     dense, pruned = _mlp(hidden=64), _mlp(hidden=64)
     pruned.set_weights(dense.get_weights())
     kernel = pruned.layers[0].kernel
-    w = np.asarray(kernel.numpy())
+    w = np.array(keras.ops.convert_to_numpy(kernel.value))
     w[np.abs(w) < np.quantile(np.abs(w), 0.8)] = 0.0
     kernel.assign(w)
     a = kp.compression_report(dense)["layers"][0]

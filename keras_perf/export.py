@@ -147,7 +147,7 @@ def export_tflite(
     dataset = None
     if quantization == "int8":
         dataset = representative_data if arrays is None else _dataset(arrays)
-    with tempfile.TemporaryDirectory() as saved_model_dir:
+    with tempfile.TemporaryDirectory() as saved_model_dir, _tflite.quiet_tensorflow_logs():
         model.export(saved_model_dir, format="tf_saved_model", verbose=False)
         content = _tflite.convert_saved_model(saved_model_dir, quantization, dataset, int8_io)
     path.write_bytes(content)

@@ -12,11 +12,25 @@ it. Checked with TensorFlow 2.21.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import warnings
 
 import numpy as np
 
 QUANTIZATIONS = (None, "dynamic", "float16", "int8")
+
+
+@contextlib.contextmanager
+def quiet_tensorflow_logs():
+    """Hide TensorFlow's INFO lines ("Assets written to ...") while a SavedModel is written."""
+    logger = logging.getLogger("tensorflow")
+    level = logger.level
+    logger.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def convert_saved_model(saved_model_dir: str, quantization, representative_dataset, int8_io: bool):

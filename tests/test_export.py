@@ -145,6 +145,27 @@ def test_subclassed_model_called_once_exports(digits, tmp_path):
     assert kp.compression_report(model)["total"]["params"] == 64 * 8 + 8 + 8 * 3 + 3
 
 
+@pytest.mark.backends("tensorflow")
+def test_multi_input_model_keeps_input_order(tmp_path):
+    # Names sort the other way round from the model's order, to catch a name-sorted file.
+    a, b = keras.Input((5,), name="zeta"), keras.Input((3,), name="alpha")
+    mixed = keras.layers.Concatenate()([keras.layers.Dense(6)(a), b * 10.0])
+    model = keras.Model([a, b], keras.layers.Dense(4)(mixed))
+    rng = np.random.default_rng(1)
+    xa, xb = rng.random((64, 5), dtype="float32"), rng.random((64, 3), dtype="float32")
+    expected = model.predict([xa, xb], verbose=0)
+    report = kp.export_tflite(model, tmp_path / "two.tflite")
+    assert [t["shape"] for t in report["inputs"]] == [[-1, 5], [-1, 3]]
+    np.testing.assert_allclose(kp.tflite_predict(report["path"], [xa, xb]), expected, atol=1e-5)
+    report = kp.export_tflite(
+        model, tmp_path / "two8.tflite", "int8", representative_data=[xa, xb], int8_io=False
+    )
+    got = kp.tflite_predict(report["path"], [xa, xb])
+    assert np.max(np.abs(got - expected)) < 0.05 * np.ptp(expected)
+    with pytest.raises(ValueError, match="must be a list of 2 arrays"):
+        kp.export_tflite(model, tmp_path / "x.tflite", "int8", representative_data=xa)
+
+
 def test_int8_without_representative_data_is_a_clear_error(trained, tmp_path):
     model, _ = trained
     with pytest.raises(ValueError, match="int8.*needs `representative_data`"):

@@ -8,6 +8,7 @@ Every public name is re-exported here explicitly; the modules hold one concept e
 from keras_perf import backend
 from keras_perf._utils import KerasPerfWarning
 from keras_perf.devices import configure_devices, device_report
+from keras_perf.export import compression_report, export_tflite, tflite_predict
 from keras_perf.mixed_precision import check_mixed_precision, setup_mixed_precision
 from keras_perf.train_step import LossScaledModel, LossScaleTrainStep, loss_scaled
 
@@ -19,8 +20,11 @@ __all__ = [
     "LossScaledModel",
     "backend",
     "check_mixed_precision",
+    "compression_report",
     "configure_devices",
     "device_report",
+    "export_tflite",
     "loss_scaled",
     "setup_mixed_precision",
+    "tflite_predict",
 ]

@@ -9,18 +9,34 @@ from keras_perf import backend
 from keras_perf._utils import KerasPerfWarning
 from keras_perf.devices import configure_devices, device_report
 from keras_perf.mixed_precision import check_mixed_precision, setup_mixed_precision
+from keras_perf.pruning import (
+    ConstantSparsity,
+    PolynomialDecay,
+    PruningCallback,
+    PruningSchedule,
+    prune_low_magnitude,
+    sparsity_report,
+    strip_pruning,
+)
 from keras_perf.train_step import LossScaledModel, LossScaleTrainStep, loss_scaled
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ConstantSparsity",
     "KerasPerfWarning",
     "LossScaleTrainStep",
     "LossScaledModel",
+    "PolynomialDecay",
+    "PruningCallback",
+    "PruningSchedule",
     "backend",
     "check_mixed_precision",
     "configure_devices",
     "device_report",
     "loss_scaled",
+    "prune_low_magnitude",
     "setup_mixed_precision",
+    "sparsity_report",
+    "strip_pruning",
 ]

@@ -19,6 +19,7 @@ Public names: `PolynomialDecay`, `ConstantSparsity`, `PruningSchedule`, `Pruning
 
 from __future__ import annotations
 
+import importlib.util
 import re
 from dataclasses import dataclass, field
 
@@ -425,7 +426,9 @@ def _select(model, include=(), exclude=()) -> list[_Target]:
                 for sub in [layer, *iter_layers(layer)]:
                     ids.update(id(t.variable) for t in _prunable_in(sub))
             else:
-                ids.update(id(t.variable) for t in _prunable_in(layer) if _matches_path(item, t.path))
+                ids.update(
+                    id(t.variable) for t in _prunable_in(layer) if _matches_path(item, t.path)
+                )
         return ids & {id(t.variable) for t in targets}
 
     if include:
@@ -512,6 +515,13 @@ def _compute_masks(targets, sparsity: float, scope: str, m_by_n):
         m, n = m_by_n
         return [_m_by_n_mask(w, m, n, t.axis) for w, t in zip(weights, targets)], None
     return _magnitude_masks(weights, sparsity, scope)
+
+
+def _relative_path(model, target) -> str:
+    """The weight's path without the model-name prefix (a reloaded model may be renamed)."""
+    prefix = f"{model.name}/"
+    path = target.path
+    return path[len(prefix) :] if model is not None and path.startswith(prefix) else path
 
 
 class _MaskConstraint:
@@ -637,7 +647,9 @@ def _deserialize_selectors(items):
             cls = keras.saving.get_registered_object(item.get("registered_name"))
             cls = cls or getattr(keras.layers, item["class_name"], None)
             if cls is None:
-                raise ValueError(f"Unknown layer class {item['class_name']!r} in `include`/`exclude`.")
+                raise ValueError(
+                    f"Unknown layer class {item['class_name']!r} in `include`/`exclude`."
+                )
             out.append(cls)
         else:
             out.append(item)
@@ -694,6 +706,7 @@ class PruningCallback(keras.callbacks.Callback):
             (needs TensorFlow installed). Defaults to `None`.
 
     Raises:
+        ImportError: `log_dir` given but TensorBoard is not installed.
         ValueError: bad `scope`, `m_by_n`, `verbose`; at the start of `fit`: a model without
             prunable weights, an `include` item that matches none (the message lists them) or
             a model without an optimizer.
@@ -727,7 +740,7 @@ class PruningCallback(keras.callbacks.Callback):
         self.m_by_n = _check_m_by_n(m_by_n)
         if self.m_by_n is not None and self.scope == "global":
             raise ValueError(
-                '`m_by_n` prunes inside each block of every weight; it cannot be combined with '
+                "`m_by_n` prunes inside each block of every weight; it cannot be combined with "
                 '`scope="global"`. Pass `scope="layer"` (the default).'
             )
         self.include = _check_selectors("include", include)
@@ -735,6 +748,15 @@ class PruningCallback(keras.callbacks.Callback):
         self.verbose = check_int("verbose", verbose, minimum=0)
         if log_dir is not None and not isinstance(log_dir, str):
             raise TypeError(f"`log_dir` must be None or a directory path; got {log_dir!r}.")
+        if log_dir is not None and (
+            importlib.util.find_spec("tensorboard") is None
+            or importlib.util.find_spec("tensorflow") is None
+        ):
+            raise ImportError(
+                "`log_dir` writes TensorBoard scalars and needs the `tensorflow` and "
+                "`tensorboard` packages: `pip install tensorboard`, or leave `log_dir=None` "
+                "and read `sparsity` from the epoch logs."
+            )
         self.log_dir = log_dir
         # Only on_train_batch_begin is overridden, which Keras always calls in line; the batch
         # end hooks stay asynchronous.
@@ -752,11 +774,19 @@ class PruningCallback(keras.callbacks.Callback):
 
     # -- state --------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Pruning state: the step, the overall sparsity, and each weight's mask (by path)."""
+        """Pruning state: the step, the overall sparsity, and each weight's mask.
+
+        Masks are keyed by weight path without the model's name (`"hidden/kernel"`), so the
+        state loads into a rebuilt or reloaded copy of the model.
+        """
         return {
             "step": self._step,
             "sparsity": self.sparsity,
-            "masks": {t.path: ops.convert_to_numpy(t.mask.value) for t in self.targets if t.mask},
+            "masks": {
+                _relative_path(self._targets_model, t): ops.convert_to_numpy(t.mask.value)
+                for t in self.targets
+                if t.mask is not None
+            },
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -805,7 +835,11 @@ class PruningCallback(keras.callbacks.Callback):
             # After every on_train_begin (BackupAndRestore has restored the weights by now).
             pruned_before = self._pruned_before()
             state = self._pending_state or {}
-            changed = _install(self.targets, state.get("masks"), derive_from_zeros=pruned_before)
+            initial = state.get("masks")
+            if initial is not None:
+                initial = {t.path: initial[_relative_path(model, t)] for t in self.targets
+                           if _relative_path(model, t) in initial}  # fmt: skip
+            changed = _install(self.targets, initial, derive_from_zeros=pruned_before)
             self._pending_state = None
             self.sparsity, per = _mask_sparsity(self.targets)
             _refresh_train_step(model, masks_changed=False, constraints_changed=changed)
@@ -902,7 +936,9 @@ def sparsity_report(model, include=None, exclude=None) -> dict:
     >>> report["total"]["sparsity"]
     0.5
     """
-    targets = _select(model, _check_selectors("include", include), _check_selectors("exclude", exclude))
+    targets = _select(
+        model, _check_selectors("include", include), _check_selectors("exclude", exclude)
+    )
     rows, size, nonzero = [], 0, 0
     for t in targets:
         value = ops.convert_to_numpy(t.variable.value)
@@ -994,7 +1030,9 @@ def prune_low_magnitude(
     sparsity = _check_sparsity("sparsity", sparsity)
     scope = check_choice("scope", scope, ("layer", "global"))
     m_by_n = _check_m_by_n(m_by_n)
-    targets = _select(model, _check_selectors("include", include), _check_selectors("exclude", exclude))
+    targets = _select(
+        model, _check_selectors("include", include), _check_selectors("exclude", exclude)
+    )
     changed = _install(targets)
     masks, _ = _compute_masks(targets, sparsity, scope, m_by_n)
     _apply_masks(targets, masks)

@@ -35,8 +35,13 @@ def compile_(model, optimizer=None):
     return model
 
 
+def key(t):
+    """A weight's name that survives save/load (paths get a new model-name prefix)."""
+    return f"{t.layer.name}/{t.variable.name}"
+
+
 def weights_of(model):
-    return {t.path: keras.ops.convert_to_numpy(t.variable.value) for t in _select(model)}
+    return {key(t): keras.ops.convert_to_numpy(t.variable.value) for t in _select(model)}
 
 
 def tfmot():
@@ -156,7 +161,6 @@ def test_schedule_type_errors():
 @pytest.mark.backends("tensorflow")
 def test_layer_mask_matches_tfmot_pruning_impl():
     import tensorflow as tf
-
     from tensorflow_model_optimization.python.core.sparsity.keras import pruning_impl
 
     tfmot()
@@ -167,7 +171,9 @@ def test_layer_mask_matches_tfmot_pruning_impl():
             schedule = tfmot().sparsity.keras.ConstantSparsity(sparsity, 0)
             impl = pruning_impl.Pruning(lambda: 0, [], schedule, (1, 1), "AVG")
             threshold, mask = impl._update_mask(tf.constant(w))
-            (ours,), (our_threshold,) = _magnitude_masks([keras.ops.convert_to_tensor(w)], sparsity, "layer")
+            (ours,), (our_threshold,) = _magnitude_masks(
+                [keras.ops.convert_to_tensor(w)], sparsity, "layer"
+            )
             ours = keras.ops.convert_to_numpy(ours)
             assert float(keras.ops.convert_to_numpy(our_threshold)) == float(threshold.numpy())
             np.testing.assert_array_equal(ours, mask.numpy())
@@ -176,12 +182,13 @@ def test_layer_mask_matches_tfmot_pruning_impl():
 @pytest.mark.backends("tensorflow")
 def test_m_by_n_matches_tfmot():
     import tensorflow as tf
-
     from tensorflow_model_optimization.python.core.sparsity.keras import pruning_impl
 
     mot = tfmot()
     rng = np.random.default_rng(1)
-    impl = pruning_impl.Pruning(lambda: 0, [], mot.sparsity.keras.ConstantSparsity(0.5, 0), (1, 1), "AVG", (2, 4))
+    impl = pruning_impl.Pruning(
+        lambda: 0, [], mot.sparsity.keras.ConstantSparsity(0.5, 0), (1, 1), "AVG", (2, 4)
+    )
     for layer, shape in [(keras.layers.Dense(6), (16,)), (keras.layers.Conv2D(4, 3), (5, 5, 8))]:
         model = keras.Sequential([keras.Input(shape), layer])
         w = rng.standard_normal(tuple(layer.kernel.shape)).astype("float32")
@@ -193,7 +200,11 @@ def test_m_by_n_matches_tfmot():
 
 def test_m_by_n_pattern_block_by_block():
     rng = np.random.default_rng(2)
-    dense, conv, tconv = keras.layers.Dense(5), keras.layers.Conv2D(3, 2), keras.layers.Conv2DTranspose(4, 2)
+    dense, conv, tconv = (
+        keras.layers.Dense(5),
+        keras.layers.Conv2D(3, 2),
+        keras.layers.Conv2DTranspose(4, 2),
+    )
     inp = keras.Input((6, 6, 10))
     x = conv(inp)
     x = tconv(x)
@@ -294,7 +305,7 @@ def test_pruned_entries_stay_zero_after_every_step(digits, optimizer):
     cb = kp.PruningCallback(kp.ConstantSparsity(0.5, 0, frequency=10_000))  # one update, step 0
     spy = WeightsAtBatchEnd(4)
     model.fit(x[:320], y[:320], batch_size=32, epochs=1, callbacks=[cb, spy], verbose=0)
-    masks = {t.path: keras.ops.convert_to_numpy(t.mask.value) == 0 for t in cb.targets}
+    masks = {key(t): keras.ops.convert_to_numpy(t.mask.value) == 0 for t in cb.targets}
     assert [h["step"] for h in cb.history] == [0]
     first = spy.seen[0]
     for seen in [*spy.seen, weights_of(model)]:
@@ -341,8 +352,14 @@ def test_sparsity_in_epoch_logs_and_verbose(digits, capsys):
 
 @pytest.mark.backends("tensorflow")
 def test_tensorboard_scalars(digits, tmp_path):
+    import importlib.util
+
     import tensorflow as tf
 
+    if importlib.util.find_spec("tensorboard") is None:
+        with pytest.raises(ImportError, match="pip install tensorboard"):
+            kp.PruningCallback(kp.ConstantSparsity(0.5), log_dir=str(tmp_path))
+        return
     (x, y), _ = digits
     model = compile_(mlp())
     cb = kp.PruningCallback(kp.ConstantSparsity(0.5, 0, frequency=5), log_dir=str(tmp_path))
@@ -434,7 +451,9 @@ def test_what_is_prunable():
 )
 def test_include_exclude(include, exclude, expected):
     model = mlp()
-    targets = _select(model, kp.pruning._check_selectors("i", include), kp.pruning._check_selectors("e", exclude))
+    targets = _select(
+        model, kp.pruning._check_selectors("i", include), kp.pruning._check_selectors("e", exclude)
+    )
     assert {t.layer.name for t in targets} == expected
 
 
@@ -513,7 +532,8 @@ def test_prune_low_magnitude_then_fit_keeps_zeros_until_strip(digits):
     kp.strip_pruning(model)
     assert not any(isinstance(v.constraint, _MaskConstraint) for v in model.weights)
     model.fit(x[:128], y[:128], epochs=1, verbose=0)
-    assert kp.sparsity_report(model)["total"]["sparsity"] < 0.01  # plain model again
+    # A plain model again: zeros regrow (except rows of the always-blank digit pixels).
+    assert kp.sparsity_report(model)["total"]["sparsity"] < 0.3
 
 
 def test_strip_pruning_same_outputs_and_saves_plain(digits, tmp_path):
@@ -529,7 +549,9 @@ def test_strip_pruning_same_outputs_and_saves_plain(digits, tmp_path):
     path = str(tmp_path / "plain.keras")
     model.save(path)
     loaded = keras.saving.load_model(path)  # no custom objects needed
-    np.testing.assert_allclose(keras.ops.convert_to_numpy(loaded.predict(xt, verbose=0)), before, atol=1e-6)
+    np.testing.assert_allclose(
+        keras.ops.convert_to_numpy(loaded.predict(xt, verbose=0)), before, atol=1e-6
+    )
     assert kp.sparsity_report(loaded)["total"]["sparsity"] == pytest.approx(0.6, abs=0.01)
     assert kp.strip_pruning(loaded) is loaded  # a no-op on an unpruned model
 
@@ -553,7 +575,9 @@ def test_save_load_resume_keeps_pattern(digits, tmp_path):
         for p, w in saved.items():
             assert np.all(seen[p][w == 0] == 0.0)  # masks rebuilt from the saved zeros
     assert [h["step"] for h in cb2.history] == [15]  # the step count continued from the file
-    assert kp.sparsity_report(loaded)["total"]["sparsity"] == pytest.approx(schedule(15)[1], abs=0.01)
+    assert kp.sparsity_report(loaded)["total"]["sparsity"] == pytest.approx(
+        schedule(15)[1], abs=0.01
+    )
 
 
 class Interrupt(keras.callbacks.Callback):
@@ -591,22 +615,30 @@ def test_state_dict_round_trip(digits):
     cb = kp.PruningCallback(kp.ConstantSparsity(0.5, 0, frequency=1000))
     model.fit(x[:64], y[:64], batch_size=32, epochs=1, callbacks=[cb], verbose=0)
     state = cb.state_dict()
-    assert state["step"] == 2 and set(state["masks"]) == {t.path for t in cb.targets}
+    assert state["step"] == 2 and set(state["masks"]) == {"hidden/kernel", "logits/kernel"}
     fresh = compile_(mlp())
     fresh.set_weights(kp.strip_pruning(model).get_weights())
-    fresh.layers[0].kernel.assign(np.ones((64, 32), "float32"))  # zeros gone: masks must come from state
-    cb2 = kp.PruningCallback(kp.ConstantSparsity(0.5, 0, frequency=1000))
+    fresh.layers[0].kernel.assign(
+        np.ones((64, 32), "float32")
+    )  # zeros gone: masks must come from state
+    cb2 = kp.PruningCallback(kp.ConstantSparsity(0.5, begin_step=100))  # no update in this fit
     cb2.load_state_dict(state)
     fresh.fit(x[:64], y[:64], batch_size=32, epochs=1, callbacks=[cb2], verbose=0)
     assert cb2.history == []
     np.testing.assert_array_equal(
-        keras.ops.convert_to_numpy(fresh.layers[0].kernel) == 0, state["masks"][cb.targets[0].path] == 0
+        keras.ops.convert_to_numpy(fresh.layers[0].kernel) == 0,
+        state["masks"]["hidden/kernel"] == 0,
     )
 
 
 def test_get_config_round_trips():
-    for schedule in (kp.PolynomialDecay(0.1, 0.9, 5, 50, power=2, frequency=5), kp.ConstantSparsity(0.3, 1, 9, 2)):
-        restored = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(schedule))
+    for schedule in (
+        kp.PolynomialDecay(0.1, 0.9, 5, 50, power=2, frequency=5),
+        kp.ConstantSparsity(0.3, 1, 9, 2),
+    ):
+        restored = keras.saving.deserialize_keras_object(
+            keras.saving.serialize_keras_object(schedule)
+        )
         assert type(restored) is type(schedule) and restored.get_config() == schedule.get_config()
     cb = kp.PruningCallback(
         kp.PolynomialDecay(0.0, 0.5, 0, 10), scope="layer", m_by_n=(2, 4),

@@ -22,10 +22,9 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import abba, finish, parse_args, row  # noqa: E402
-
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from _harness import abba, finish, parse_args, row  # noqa: E402
 
 import keras_perf as kp  # noqa: E402
 

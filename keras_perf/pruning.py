@@ -923,7 +923,7 @@ def sparsity_report(model, include=None, exclude=None) -> dict:
         exclude: Leave these out. Defaults to `None`.
 
     Returns:
-        `{"weights": [{"path", "shape", "size", "nonzero", "sparsity"}, ...],
+        `{"weights": [{"path", "layer", "shape", "size", "nonzero", "sparsity"}, ...],
         "total": {"size", "nonzero", "sparsity"}}`.
 
     Raises:
@@ -946,6 +946,7 @@ def sparsity_report(model, include=None, exclude=None) -> dict:
         rows.append(
             {
                 "path": t.path,
+                "layer": t.layer.name,
                 "shape": tuple(int(d) for d in value.shape),
                 "size": int(value.size),
                 "nonzero": nz,

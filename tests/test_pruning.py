@@ -267,14 +267,14 @@ def test_global_scope_callback_reports_one_threshold(digits):
 @pytest.mark.slow
 def test_fit_digits_polynomial_to_80_percent(digits):
     (x, y), (xt, yt) = digits
-    epochs, batch = 10, 128  # 12 steps per epoch, 120 steps
+    epochs, batch = 12, 128  # 12 steps per epoch, 144 steps
     keras.utils.set_random_seed(7)
-    dense = compile_(mlp(hidden=64), keras.optimizers.Adam(1e-2))
+    dense = compile_(mlp(hidden=128), keras.optimizers.Adam(1e-2))
     dense.fit(x, y, batch_size=batch, epochs=epochs, verbose=0)
     dense_acc = dense.evaluate(xt, yt, verbose=0)[1]
 
     keras.utils.set_random_seed(7)
-    model = compile_(mlp(hidden=64), keras.optimizers.Adam(1e-2))
+    model = compile_(mlp(hidden=128), keras.optimizers.Adam(1e-2))
     schedule = kp.PolynomialDecay(0.0, 0.8, begin_step=0, end_step=72, frequency=24)
     cb = kp.PruningCallback(schedule)
     history = model.fit(x, y, batch_size=batch, epochs=epochs, callbacks=[cb], verbose=0)

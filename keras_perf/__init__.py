@@ -10,14 +10,27 @@ from keras_perf._utils import KerasPerfWarning
 from keras_perf.devices import configure_devices, device_report
 from keras_perf.export import compression_report, export_tflite, tflite_predict
 from keras_perf.mixed_precision import check_mixed_precision, setup_mixed_precision
+from keras_perf.pruning import (
+    ConstantSparsity,
+    PolynomialDecay,
+    PruningCallback,
+    PruningSchedule,
+    prune_low_magnitude,
+    sparsity_report,
+    strip_pruning,
+)
 from keras_perf.train_step import LossScaledModel, LossScaleTrainStep, loss_scaled
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ConstantSparsity",
     "KerasPerfWarning",
     "LossScaleTrainStep",
     "LossScaledModel",
+    "PolynomialDecay",
+    "PruningCallback",
+    "PruningSchedule",
     "backend",
     "check_mixed_precision",
     "compression_report",
@@ -25,6 +38,9 @@ __all__ = [
     "device_report",
     "export_tflite",
     "loss_scaled",
+    "prune_low_magnitude",
     "setup_mixed_precision",
+    "sparsity_report",
+    "strip_pruning",
     "tflite_predict",
 ]

@@ -92,3 +92,9 @@ def is_functional(model) -> bool:
     return isinstance(model, Functional) or (
         isinstance(model, keras.Sequential) and bool(getattr(model, "inputs", None))
     )
+
+#: Whether a compiled train step reads a variable that is not part of the model's or the
+#: optimizer's state when it runs (TensorFlow graphs, eager torch), or bakes its value in when
+#: traced (a jitted JAX step receives only that state). Pruning retraces the JAX step when its
+#: masks change.
+STEP_READS_EXTERNAL_VARIABLES: bool = BACKEND != "jax"

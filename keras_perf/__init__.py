@@ -9,11 +9,13 @@ from keras_perf import backend
 from keras_perf._utils import KerasPerfWarning
 from keras_perf.devices import configure_devices, device_report
 from keras_perf.mixed_precision import check_mixed_precision, setup_mixed_precision
+from keras_perf.stopping import EarlyStopping, TimeLimit
 from keras_perf.train_step import LossScaledModel, LossScaleTrainStep, loss_scaled
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "EarlyStopping",
     "KerasPerfWarning",
     "LossScaleTrainStep",
     "LossScaledModel",
@@ -23,4 +25,5 @@ __all__ = [
     "device_report",
     "loss_scaled",
     "setup_mixed_precision",
+    "TimeLimit",
 ]

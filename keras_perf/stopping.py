@@ -332,6 +332,11 @@ class _MonitoringCallback(keras.callbacks.Callback):
             if name.startswith(os.path.basename(prefix)):
                 os.remove(os.path.join(self.backup_dir, name))
 
+    @classmethod
+    def from_config(cls, config: dict):
+        """Rebuild the callback from `get_config()`."""
+        return cls(**config)
+
     def _config(self) -> dict:
         return {
             "monitor": self.monitor,
@@ -480,8 +485,9 @@ class EarlyStopping(_MonitoringCallback):
     def on_epoch_end(self, epoch, logs=None):
         logs = logs or {}
         self._last_epoch = epoch
-        self._resolve_direction()
         current = self._monitored_value(logs)
+        if current is not None:
+            self._resolve_direction()
         reason = None
         if self.check_finite:
             loss = logs.get("loss")
@@ -539,9 +545,10 @@ class TimeLimit(_MonitoringCallback):
     After each epoch the callback estimates the next epoch's duration (the longest epoch so far,
     leaving out the first, which includes compilation, once there are two) and stops training
     when finishing that epoch would exceed `seconds`; so a run given an hour ends before the
-    hour, not after. With `granularity="batch"` it also checks after every training batch
+    hour, not after. With `granularity="batch"` it checks after every training batch instead
     (estimate: the longest batch so far plus the validation and end-of-epoch time measured in
-    earlier epochs) and ends the epoch early; Keras still validates and calls `on_epoch_end`.
+    earlier epochs) and ends the epoch early, so the last epoch may be partial; Keras still
+    validates and calls `on_epoch_end` after it.
 
     The clock starts at `on_train_begin`. On a resumed fit (`backup_dir`) the time spent in the
     completed epochs before the interruption counts; the interrupted epoch and the downtime
@@ -637,6 +644,11 @@ class TimeLimit(_MonitoringCallback):
         times = self.epoch_times[1:] if len(self.epoch_times) > 1 else self.epoch_times
         return max(times, default=0.0)
 
+    def _tail_estimate(self) -> float:
+        # Validation and end-of-epoch work after the last batch (first epoch: compiles too).
+        tails = self.tail_times[1:] if len(self.tail_times) > 1 else self.tail_times
+        return max(tails, default=0.0)
+
     def on_epoch_begin(self, epoch, logs=None):
         self._last_batch_end = _now()
 
@@ -649,8 +661,7 @@ class TimeLimit(_MonitoringCallback):
         elif self._last_batch_end is not None:
             self.max_batch_time = max(self.max_batch_time, now - self._last_batch_end)
         self._last_batch_end = now
-        tail = max(self.tail_times[1:] if len(self.tail_times) > 1 else self.tail_times, default=0.0)
-        if self._elapsed(now) + self.max_batch_time + tail > self.seconds:
+        if self._elapsed(now) + self.max_batch_time + self._tail_estimate() > self.seconds:
             self.stop_reason = "time_limit"
             # `_model`, not `model`: on JAX the `model` property syncs the training state,
             # which is neither needed to set a flag nor safe from Keras' async dispatch thread.
@@ -666,7 +677,12 @@ class TimeLimit(_MonitoringCallback):
         self._last_mark = now
         self.elapsed = self._elapsed(now)
         self._track(epoch, logs)
-        if self.stop_reason is not None or self.elapsed + self.next_epoch_estimate() > self.seconds:
+        if self.granularity == "batch":
+            # A partial epoch may still fit: stop only if not even one more batch does.
+            needed = self.max_batch_time + self._tail_estimate()
+        else:
+            needed = self.next_epoch_estimate()
+        if self.stop_reason is not None or self.elapsed + needed > self.seconds:
             self._stop(epoch, "time_limit")
         if self.backup_dir is not None:
             self._save_backup()
@@ -680,10 +696,9 @@ class TimeLimit(_MonitoringCallback):
                 self._resolve_direction()
             except ValueError:
                 return  # only informative here: no direction, no ranking
-        else:
-            self._resolve_direction()
         current = self._monitored_value(logs)
         if current is not None and math.isfinite(current):
+            self._resolve_direction()
             if self.best is None or self._better(current, self.best):
                 self._keep_best(epoch, current)
 

@@ -384,7 +384,7 @@ def test_fit_threshold_on_val_accuracy_infers_max(data):
     x, y, xv, yv = data
     model = _model(lr=0.5)
     es = kp.EarlyStopping("val_accuracy", stopping_threshold=0.8, patience=50)
-    hist = model.fit(x, y, validation_data=(xv, yv), batch_size=64, epochs=40, callbacks=[es],
+    hist = model.fit(x, y, validation_data=(xv, yv), batch_size=128, epochs=40, callbacks=[es],
                      verbose=0)
     acc = hist.history["val_accuracy"]
     assert es.stop_reason == "threshold" and es.stopped_epoch == len(acc) - 1

@@ -82,8 +82,11 @@ def _metric_direction(model, monitor: str) -> str | None:
     return None
 
 
-def _finite(value) -> bool:
-    return value is not None and math.isfinite(value)
+def _longest_after_first(times: list, longest_after_first: float) -> float:
+    """The longest of `times`, leaving out the first (compilation) once there are two."""
+    if not times:
+        return 0.0
+    return longest_after_first if len(times) > 1 else times[0]
 
 
 class _MonitoringCallback(keras.callbacks.Callback):
@@ -616,6 +619,9 @@ class TimeLimit(_MonitoringCallback):
         self.epoch_times = []
         self.tail_times = []
         self.max_batch_time = 0.0
+        # Running maxima of the times after the first (kept so the hooks stay O(1)).
+        self._epoch_est = 0.0
+        self._tail_est = 0.0
 
     def _begin_fit(self) -> None:
         self._fit_start = _now()
@@ -627,6 +633,8 @@ class TimeLimit(_MonitoringCallback):
         super()._apply_state(state)
         self.epoch_times = list(self.epoch_times)
         self.tail_times = list(self.tail_times)
+        self._epoch_est = max(self.epoch_times[1:], default=0.0)
+        self._tail_est = max(self.tail_times[1:], default=0.0)
         # The clock of this fit continues from the time already spent.
         now = _now()
         self._fit_start = now - float(self.elapsed)
@@ -641,13 +649,11 @@ class TimeLimit(_MonitoringCallback):
         Returns:
             The longest epoch so far, the first one excluded once there are two.
         """
-        times = self.epoch_times[1:] if len(self.epoch_times) > 1 else self.epoch_times
-        return max(times, default=0.0)
+        return _longest_after_first(self.epoch_times, self._epoch_est)
 
     def _tail_estimate(self) -> float:
         # Validation and end-of-epoch work after the last batch (first epoch: compiles too).
-        tails = self.tail_times[1:] if len(self.tail_times) > 1 else self.tail_times
-        return max(tails, default=0.0)
+        return _longest_after_first(self.tail_times, self._tail_est)
 
     def on_epoch_begin(self, epoch, logs=None):
         self._last_batch_end = _now()
@@ -672,8 +678,12 @@ class TimeLimit(_MonitoringCallback):
         logs = logs or {}
         self._last_epoch = epoch
         self.epoch_times.append(now - self._last_mark)
+        if len(self.epoch_times) > 1:
+            self._epoch_est = max(self._epoch_est, self.epoch_times[-1])
         if self._last_batch_end is not None and self.granularity == "batch":
             self.tail_times.append(now - self._last_batch_end)
+            if len(self.tail_times) > 1:
+                self._tail_est = max(self._tail_est, self.tail_times[-1])
         self._last_mark = now
         self.elapsed = self._elapsed(now)
         self._track(epoch, logs)

@@ -494,18 +494,21 @@ class Sleep(keras.callbacks.Callback):
 def test_fit_time_limit_ends_before_the_budget(data):
     x, y, xv, yv = data
     model = _model()
-    # Compile first (train and validation): epochs then take ~0.25 s.
-    model.fit(x, y, validation_data=(xv, yv), batch_size=256, epochs=1, verbose=0)
-    budget = 2.5
+    # Compile first (train and validation), and time an epoch on this (possibly busy) machine.
+    fit_kw = dict(validation_data=(xv, yv), batch_size=256, verbose=0)
+    model.fit(x, y, epochs=1, **fit_kw)
+    t0 = time.perf_counter()
+    model.fit(x, y, epochs=2, callbacks=[Sleep(epoch_s=0.25)], **fit_kw)
+    budget = 5 * (time.perf_counter() - t0) / 2  # about five epochs
     tl = kp.TimeLimit(budget, restore_best_weights=True)
     rec = Record()
     t0 = time.perf_counter()
-    hist = model.fit(x, y, validation_data=(xv, yv), batch_size=256, epochs=100,
-                     callbacks=[Sleep(epoch_s=0.25), rec, tl], verbose=0)
+    hist = model.fit(x, y, epochs=100, callbacks=[Sleep(epoch_s=0.25), rec, tl], **fit_kw)
     wall = time.perf_counter() - t0
     epochs = len(hist.history["loss"])
     assert tl.stop_reason == "time_limit" and 2 <= epochs < 100
-    assert tl.elapsed <= budget and wall < budget + 0.3
+    # The clock starts at on_train_begin: fit's own set-up before it is not counted.
+    assert tl.elapsed <= budget and wall < 1.15 * budget + 0.5
     assert _same(model.get_weights(), rec.weights[tl.best_epoch])
     assert tl.best == min(hist.history["val_loss"])
 
@@ -529,7 +532,7 @@ def test_fit_time_limit_batch_granularity_ends_mid_epoch(data):
     wall = time.perf_counter() - t0
     # 32 batches of >= 50 ms: the first epoch alone would overrun 1 s; it ends early instead.
     assert tl.stop_reason == "time_limit" and tl.stopped_epoch == 0
-    assert 3 <= steps[0] < 32 and wall < 1.0 + 0.3
+    assert 3 <= steps[0] < 32 and wall < 1.0 + 0.5
 
 
 @pytest.mark.slow

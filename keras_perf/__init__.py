@@ -19,18 +19,21 @@ from keras_perf.pruning import (
     sparsity_report,
     strip_pruning,
 )
+from keras_perf.stopping import EarlyStopping, TimeLimit
 from keras_perf.train_step import LossScaledModel, LossScaleTrainStep, loss_scaled
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ConstantSparsity",
+    "EarlyStopping",
     "KerasPerfWarning",
     "LossScaleTrainStep",
     "LossScaledModel",
     "PolynomialDecay",
     "PruningCallback",
     "PruningSchedule",
+    "TimeLimit",
     "backend",
     "check_mixed_precision",
     "compression_report",

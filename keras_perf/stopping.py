@@ -32,6 +32,7 @@ import time
 import keras
 import numpy as np
 
+from keras_perf import backend as _backend
 from keras_perf._utils import check_bool, check_choice, check_int, check_number, warn
 
 __all__ = ["EarlyStopping", "TimeLimit"]
@@ -612,6 +613,7 @@ class TimeLimit(_MonitoringCallback):
         super().__init__(monitor, mode, restore_best_weights, verbose, strict, backup_dir)
         # The batch hook only reads a clock, and touches the model once, to stop it.
         self.async_safe = True
+        self._multi_worker = False
 
     def _reset(self) -> None:
         super()._reset()
@@ -628,6 +630,12 @@ class TimeLimit(_MonitoringCallback):
         self._last_mark = self._fit_start
         self._last_batch_end = None
         self._first_batch = True
+        # Several workers must stop at the same point: batch-level checks would let one
+        # worker leave an epoch the others are still in, so they decide per epoch only.
+        self._multi_worker = _backend.is_multi_worker(self.model)
+        if self._multi_worker and self.granularity == "batch":
+            warn("TimeLimit(granularity='batch') checks per epoch under a multi-worker strategy, "
+                 "so that every worker stops after the same epoch.")
 
     def _apply_state(self, state: dict) -> None:
         super()._apply_state(state)
@@ -659,7 +667,7 @@ class TimeLimit(_MonitoringCallback):
         self._last_batch_end = _now()
 
     def on_train_batch_end(self, batch, logs=None):
-        if self.granularity != "batch" or self.stop_reason is not None:
+        if self.granularity != "batch" or self.stop_reason is not None or self._multi_worker:
             return
         now = _now()
         if self._first_batch:
@@ -692,7 +700,9 @@ class TimeLimit(_MonitoringCallback):
             needed = self.max_batch_time + self._tail_estimate()
         else:
             needed = self.next_epoch_estimate()
-        if self.stop_reason is not None or self.elapsed + needed > self.seconds:
+        stop = self.stop_reason is not None or self.elapsed + needed > self.seconds
+        # Clocks differ between workers: under a multi-worker strategy all stop if one must.
+        if _backend.any_worker(stop, self.model):
             self._stop(epoch, "time_limit")
         if self.backup_dir is not None:
             self._save_backup()

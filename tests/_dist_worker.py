@@ -112,6 +112,75 @@ def overflow_case(scope):
     }
 
 
+def _replica_values(variable):
+    """The per-replica copies of a variable (one entry outside tf.distribute)."""
+    import keras
+    import numpy as np
+
+    if keras.backend.backend() == "tensorflow":
+        import tensorflow as tf
+
+        value = getattr(variable, "value", variable)
+        if tf.distribute.has_strategy() or isinstance(value, tf.distribute.DistributedValues):
+            strategy = tf.distribute.get_strategy()
+            return [np.asarray(v) for v in strategy.experimental_local_results(value)]
+    return [keras.ops.convert_to_numpy(variable)]
+
+
+def pruning_case(scope):
+    """PruningCallback inside `scope`: sparsity reached, same mask on every replica."""
+    import hashlib
+
+    import numpy as np
+
+    import keras_perf as kp
+
+    x, y = data()
+    with scope():
+        model = kp.loss_scaled(build())  # stock fit fails under MWMS (Keras 3.15)
+        cb = kp.PruningCallback(kp.ConstantSparsity(0.5, begin_step=0, frequency=1))
+        train(model, x, y, epochs=2, callbacks=[cb])
+        kernels = [v for v in model.trainable_variables if "kernel" in v.path]
+        out = {"sparsity": [], "replicas_agree": True, "mask_hash": ""}
+        digest = hashlib.sha1()
+        for v in kernels:
+            copies = _replica_values(v)
+            masks = [c == 0 for c in copies]
+            out["replicas_agree"] &= all(np.array_equal(masks[0], m) for m in masks[1:])
+            out["replicas_agree"] &= all(np.array_equal(copies[0], c) for c in copies[1:])
+            out["sparsity"].append(float(masks[0].mean()))
+            digest.update(masks[0].tobytes())
+        out["mask_hash"] = digest.hexdigest()
+    return out
+
+
+def stopping_case(scope, slow_worker=False):
+    """EarlyStopping and TimeLimit inside `scope`: epochs stopped at, reasons."""
+    import time
+
+    import keras
+
+    import keras_perf as kp
+
+    x, y = data()
+    out = {}
+    with scope():
+        model = kp.loss_scaled(build())  # stock fit fails under MWMS (Keras 3.15)
+        es = kp.EarlyStopping(monitor="loss", stopping_threshold=10.0, mode="min")
+        train(model, x, y, epochs=5, callbacks=[es])
+        out["early"] = [es.stopped_epoch, es.best_epoch, es.stop_reason]
+
+        class Slow(keras.callbacks.Callback):
+            def on_epoch_end(self, epoch, logs=None):
+                time.sleep(2.0 if slow_worker else 0.0)
+
+        model = kp.loss_scaled(build())  # stock fit fails under MWMS (Keras 3.15)
+        limit = kp.TimeLimit(seconds=8.0)
+        hist = train(model, x, y, epochs=50, callbacks=[Slow(), limit])
+        out["time_limit"] = [limit.stopped_epoch, limit.stop_reason, len(hist.history["loss"])]
+    return out
+
+
 def tf_mirrored():
     import tensorflow as tf
 
@@ -124,6 +193,7 @@ def tf_mirrored():
     for k in (1, 2):
         out[f"train_step_mb{k}"] = train_step_case(strategy.scope, k)
     out["overflow"] = overflow_case(strategy.scope)
+    out["pruning"] = pruning_case(strategy.scope)
     return out
 
 
@@ -139,10 +209,13 @@ def tf_mwms():
     with strategy.scope():
         model = kp.loss_scaled(build(), microbatches=2)
         train(model, x, y, epochs=2)
+    task = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
     return {
         "replicas": strategy.num_replicas_in_sync,
-        "task": json.loads(os.environ["TF_CONFIG"])["task"]["index"],
+        "task": task,
         "train_step_mb2": max_diff(ref.get_weights(), model.get_weights()),
+        "pruning": pruning_case(strategy.scope),
+        "stopping": stopping_case(strategy.scope, slow_worker=task == 1),
     }
 
 
@@ -166,6 +239,7 @@ def jax_dp():
     out = {"replicas": len(devices)}
     for k in (1, 2):
         out[f"train_step_mb{k}"] = train_step_case(scope, k)
+    out["pruning"] = pruning_case(scope)
     return out
 
 

@@ -139,3 +139,34 @@ def test_multi_worker_train_step_matches_one_device(mwms):
 def test_jax_data_parallel_train_step_matches_one_device(jax_dp, k):
     assert jax_dp["replicas"] == 2
     assert jax_dp[f"train_step_mb{k}"] < 1e-5
+
+
+# --- Pieces under each engine -----------------------------------------------------------
+
+
+@pytest.mark.backends("tensorflow")
+def test_mirrored_pruning_masks_identical_on_replicas(mirrored):
+    p = mirrored["pruning"]
+    assert p["replicas_agree"] is True
+    assert p["sparsity"] == [0.5, 0.5]
+
+
+@pytest.mark.backends("tensorflow")
+def test_multi_worker_pruning_same_masks_on_both_workers(mwms):
+    assert mwms[0]["pruning"]["sparsity"] == [0.5, 0.5]
+    assert mwms[0]["pruning"]["mask_hash"] == mwms[1]["pruning"]["mask_hash"]
+
+
+@pytest.mark.backends("tensorflow")
+def test_multi_worker_stopping_decisions_agree(mwms):
+    # Worker 1 sleeps 2 s per epoch, so its own clock would stop it first; TimeLimit ORs the
+    # decision over workers (a collective) so both stop after the same epoch and none hangs.
+    a, b = mwms[0]["stopping"], mwms[1]["stopping"]
+    assert a["early"] == b["early"] == [0, 0, "threshold"]
+    assert a["time_limit"] == b["time_limit"]
+    assert a["time_limit"][1] == "time_limit" and a["time_limit"][2] < 50
+
+
+@pytest.mark.backends("jax")
+def test_jax_data_parallel_pruning(jax_dp):
+    assert jax_dp["pruning"]["sparsity"] == [0.5, 0.5]

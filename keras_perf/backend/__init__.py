@@ -49,6 +49,23 @@ _step = importlib.import_module(f"{__name__}.train_step_{_MODULES[BACKEND]}")
 TrainStepBase = _step.TrainStep
 
 
+def any_worker(flag: bool, model=None) -> bool:
+    """`flag` OR-ed over the workers of a multi-worker run (TF MultiWorkerMirroredStrategy).
+
+    Callbacks that decide from local facts (a wall clock) call this so every worker takes
+    the same decision; elsewhere (one process) it returns `flag` unchanged. Every worker
+    must call it the same number of times: it is a collective operation.
+    """
+    fn = getattr(_impl, "any_worker", None)
+    return bool(flag) if fn is None else fn(bool(flag), model)
+
+
+def is_multi_worker(model=None) -> bool:
+    """Whether training runs in several processes that must agree (TF multi-worker)."""
+    fn = getattr(_impl, "is_multi_worker", None)
+    return False if fn is None else fn(model)
+
+
 def clear_memory() -> None:
     """Collect garbage, then release the backend's cached accelerator memory."""
     gc.collect()

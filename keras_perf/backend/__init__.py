@@ -79,6 +79,28 @@ def host_memory() -> dict:
     return {"current_bytes": current, "peak_bytes": int(peak)}
 
 
+def examples_seen(model) -> int | None:
+    """Examples Keras' built-in loss tracker has counted since the model's metrics were reset.
+
+    Keras' own `train_step`/`test_step` (every backend) update `model._loss_tracker`, a
+    `keras.metrics.Mean`, with `sample_weight` = the leading dimension of the batch's first
+    input, so its `count` is the number of examples seen this epoch, a short last batch and
+    `steps_per_execution > 1` included. `fit` resets it at each epoch start and `evaluate`
+    resets it at its start (after `on_test_begin`). Private attribute, present since Keras 3.0,
+    checked with Keras 3.15. Reading it syncs the device: call it per epoch, never per batch.
+
+    Returns:
+        The count as an int, or None when the model has no such tracker or it counted nothing
+        (a custom `train_step` that does not update it).
+    """
+    tracker = getattr(model, "_loss_tracker", None)
+    count = getattr(tracker, "count", None)
+    if count is None:
+        return None
+    value = float(keras.ops.convert_to_numpy(count))
+    return int(round(value)) if value > 0 else None
+
+
 def has_accelerator() -> bool:
     """Whether the backend sees a GPU or TPU."""
     return any(d["kind"] in ("GPU", "TPU") for d in list_devices())

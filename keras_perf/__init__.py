@@ -8,7 +8,9 @@ Every public name is re-exported here explicitly; the modules hold one concept e
 from keras_perf import backend
 from keras_perf._utils import KerasPerfWarning
 from keras_perf.devices import configure_devices, device_report
+from keras_perf.flops import estimate_flops_per_example, peak_flops_for_device
 from keras_perf.mixed_precision import check_mixed_precision, setup_mixed_precision
+from keras_perf.monitor import TrainingMonitor
 from keras_perf.train_step import LossScaledModel, LossScaleTrainStep, loss_scaled
 
 __version__ = "0.1.0"
@@ -17,10 +19,13 @@ __all__ = [
     "KerasPerfWarning",
     "LossScaleTrainStep",
     "LossScaledModel",
+    "TrainingMonitor",
     "backend",
     "check_mixed_precision",
     "configure_devices",
     "device_report",
+    "estimate_flops_per_example",
     "loss_scaled",
+    "peak_flops_for_device",
     "setup_mixed_precision",
 ]

@@ -13,7 +13,10 @@ How the clock is read without slowing training down:
   turned that step's logs into Python numbers, i.e. after the step finished on the device. On
   TensorFlow Keras converts the logs in the main thread before the hook, which is the same
   point. No extra device synchronisation is added per batch, and `self.model` is never touched
-  in a batch hook.
+  in a batch hook. (Keras' JAX loop dispatches a whole epoch ahead of the device; the worker
+  readings still land when each step's results arrive, so they time the device, not the
+  dispatch. Worker threads may wake out of order; steps finish in order, so the k-th earliest
+  reading is taken as step k's end.)
 - A step's time is the gap between consecutive batch-end readings (the first from the epoch's
   start, so epoch 1's first step includes tracing/compilation). With `steps_per_execution=N`
   Keras calls the hook once per execution: each execution is timed and divided by the steps it
@@ -126,9 +129,12 @@ class EpochMeter:
             A dict; values that are unknown are `None`.
         """
         self.train_done()
-        ends = sorted(self._ends)
+        # Steps finish in order, but Keras' worker threads may take their readings out of
+        # order (wake-up jitter): the k-th earliest reading is the k-th step's completion.
+        indices = sorted(i for i, _ in self._ends)
         if max_steps:
-            ends = [(min(i, max_steps - 1), t) for i, t in ends]
+            indices = [min(i, max_steps - 1) for i in indices]
+        ends = list(zip(indices, sorted(t for _, t in self._ends)))
         train_end = ends[-1][1] if ends else self._train_done
         if ends:
             # The last step's completion, not a later sync, ends the training part; but a
@@ -149,7 +155,6 @@ class EpochMeter:
         if ends:
             per_step, prev_t, prev_i = [], self._t0, -1
             for index, t in ends:
-                t = max(t, prev_t)
                 if index > prev_i:
                     per_step.append((t - prev_t) / (index - prev_i) * 1000.0)
                 prev_t, prev_i = t, index
@@ -374,7 +379,7 @@ class TrainingMonitor(keras.callbacks.Callback):
         if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
             scale = getattr(optimizer, "dynamic_scale", None)
             if scale is not None:
-                record["loss_scale"] = float(keras.ops.convert_to_numpy(scale))
+                record["loss_scale"] = float(getattr(scale, "value", scale))
 
     def _write(self, record: dict) -> None:
         if self.log_path is not None:

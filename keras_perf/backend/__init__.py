@@ -115,7 +115,8 @@ def examples_seen(model) -> int | None:
     count = getattr(tracker, "count", None)
     if count is None:
         return None
-    value = float(keras.ops.convert_to_numpy(count))
+    # float() of the 0-d backend tensor: on TF, convert_to_numpy of a variable warns under NumPy 2.
+    value = float(getattr(count, "value", count))
     return int(round(value)) if value > 0 else None
 
 

@@ -516,6 +516,7 @@ class TrainingMonitor(keras.callbacks.Callback):
             )
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
 
         path = os.fspath(path)
         h = self.history
@@ -565,6 +566,7 @@ class TrainingMonitor(keras.callbacks.Callback):
         ax3.bar(epochs, mib, color="tab:purple")
         ax3.set_ylabel("peak MiB")
         ax3.set_xlabel("epoch")
+        ax3.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax3.set_title(f"Peak memory per epoch ({where})")
         fig.savefig(path, dpi=100)
         return path

@@ -115,6 +115,38 @@ def test_meter_out_of_order_worker_readings():
     assert out["epoch_time_s"] == pytest.approx(0.021)
 
 
+def test_meter_device_bound_async_times_completions_not_dispatch():
+    # JAX-style: all 4 steps dispatched at once, each completes 50 ms after the previous one.
+    clock = _FakeClock()
+    meter = EpochMeter(clock=clock)
+    meter.start()
+    for i in range(4):
+        meter.step_begin(i)
+        clock.t += 0.0001
+    for i in range(4):
+        clock.t = 0.05 * (i + 1)
+        meter.step_end(i)
+    out = meter.finish()
+    assert out["step_time_ms_p50"] == pytest.approx(50.0)
+    assert out["epoch_time_s"] == pytest.approx(0.2)
+
+
+def test_meter_host_bound_async_times_dispatch_when_end_readings_bunch_up():
+    # Host-bound: steps start 10 ms apart; starved worker threads read all ends at the end.
+    clock = _FakeClock()
+    meter = EpochMeter(clock=clock)
+    meter.start()
+    for i in range(5):
+        clock.t = 0.010 * i
+        meter.step_begin(i)
+    for i in range(5):
+        clock.t = 0.0500 + 0.00001 * i
+        meter.step_end(i)
+    out = meter.finish()
+    assert out["step_time_ms_p50"] == pytest.approx(10.0, rel=1e-3)
+    assert out["epoch_time_s"] == pytest.approx(0.05, rel=1e-3)
+
+
 def test_meter_without_step_timing_uses_the_given_count():
     clock = _FakeClock()
     meter = EpochMeter(step_timing=False, clock=clock)

@@ -9,7 +9,9 @@ from keras_perf import backend
 from keras_perf._utils import KerasPerfWarning
 from keras_perf.devices import configure_devices, device_report
 from keras_perf.export import compression_report, export_tflite, tflite_predict
+from keras_perf.flops import estimate_flops_per_example, peak_flops_for_device
 from keras_perf.mixed_precision import check_mixed_precision, setup_mixed_precision
+from keras_perf.monitor import TrainingMonitor
 from keras_perf.pruning import (
     ConstantSparsity,
     PolynomialDecay,
@@ -34,13 +36,16 @@ __all__ = [
     "PruningCallback",
     "PruningSchedule",
     "TimeLimit",
+    "TrainingMonitor",
     "backend",
     "check_mixed_precision",
     "compression_report",
     "configure_devices",
     "device_report",
+    "estimate_flops_per_example",
     "export_tflite",
     "loss_scaled",
+    "peak_flops_for_device",
     "prune_low_magnitude",
     "setup_mixed_precision",
     "sparsity_report",

@@ -181,6 +181,18 @@ def stopping_case(scope, slow_worker=False):
     return out
 
 
+def monitor_case(scope):
+    """TrainingMonitor inside `scope`: examples and steps are global, not per replica."""
+    import keras_perf as kp
+
+    x, y = data()
+    with scope():
+        model = kp.loss_scaled(build())
+        mon = kp.TrainingMonitor()
+        train(model, x, y, epochs=2, callbacks=[mon])
+    return {"examples": [h["examples"] for h in mon.history], "steps": [h["steps"] for h in mon.history]}
+
+
 def tf_mirrored():
     import tensorflow as tf
 
@@ -194,6 +206,7 @@ def tf_mirrored():
         out[f"train_step_mb{k}"] = train_step_case(strategy.scope, k)
     out["overflow"] = overflow_case(strategy.scope)
     out["pruning"] = pruning_case(strategy.scope)
+    out["monitor"] = monitor_case(strategy.scope)
     return out
 
 
@@ -216,6 +229,7 @@ def tf_mwms():
         "train_step_mb2": max_diff(ref.get_weights(), model.get_weights()),
         "pruning": pruning_case(strategy.scope),
         "stopping": stopping_case(strategy.scope, slow_worker=task == 1),
+        "monitor": monitor_case(strategy.scope),
     }
 
 
@@ -240,6 +254,7 @@ def jax_dp():
     for k in (1, 2):
         out[f"train_step_mb{k}"] = train_step_case(scope, k)
     out["pruning"] = pruning_case(scope)
+    out["monitor"] = monitor_case(scope)
     return out
 
 

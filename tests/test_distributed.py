@@ -170,3 +170,20 @@ def test_multi_worker_stopping_decisions_agree(mwms):
 @pytest.mark.backends("jax")
 def test_jax_data_parallel_pruning(jax_dp):
     assert jax_dp["pruning"]["sparsity"] == [0.5, 0.5]
+
+
+@pytest.mark.backends("tensorflow")
+def test_mirrored_monitor_counts_global_examples(mirrored):
+    # 64 examples, global batch 16 over 2 replicas: 64 examples and 4 steps, not 32 per replica.
+    assert mirrored["monitor"] == {"examples": [64, 64], "steps": [4, 4]}
+
+
+@pytest.mark.backends("tensorflow")
+def test_multi_worker_monitor_counts_global_examples(mwms):
+    for r in mwms:
+        assert r["monitor"] == {"examples": [64, 64], "steps": [4, 4]}
+
+
+@pytest.mark.backends("jax")
+def test_jax_data_parallel_monitor(jax_dp):
+    assert jax_dp["monitor"] == {"examples": [64, 64], "steps": [4, 4]}

@@ -133,7 +133,11 @@ def examples_seen(model) -> int | None:
     if count is None:
         return None
     # float() of the 0-d backend tensor: on TF, convert_to_numpy of a variable warns under NumPy 2.
-    value = float(getattr(count, "value", count))
+    raw = getattr(count, "value", count)
+    if hasattr(raw, "read_value"):
+        # tf.distribute: a sync-on-read variable; reading it outside the replicas sums them.
+        raw = raw.read_value()
+    value = float(raw)
     return int(round(value)) if value > 0 else None
 
 

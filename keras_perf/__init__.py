@@ -8,12 +8,14 @@ Every public name is re-exported here explicitly; the modules hold one concept e
 from keras_perf import backend
 from keras_perf._utils import KerasPerfWarning
 from keras_perf.devices import configure_devices, device_report
+from keras_perf.distillation import DistillationModel, precompute_teacher_logits
 from keras_perf.mixed_precision import check_mixed_precision, setup_mixed_precision
 from keras_perf.train_step import LossScaledModel, LossScaleTrainStep, loss_scaled
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DistillationModel",
     "KerasPerfWarning",
     "LossScaleTrainStep",
     "LossScaledModel",
@@ -22,5 +24,6 @@ __all__ = [
     "configure_devices",
     "device_report",
     "loss_scaled",
+    "precompute_teacher_logits",
     "setup_mixed_precision",
 ]

@@ -369,7 +369,9 @@ class DistillationModel(LossScaleTrainStep, keras.Model):
             if not distill or self.alpha < 1.0:
                 weight = 1.0 if not distill else 1.0 - self.alpha
                 terms.append(student_loss * weight)
-        elif not distill or self.alpha < 1.0:
+        elif training and self.alpha < 1.0:
+            # (Without labels outside training there is no label loss to report; Keras' JAX
+            # trainer also builds the metrics once with training=False.)
             raise ValueError(
                 "Labels are missing: they are needed unless alpha=1.0 (soft targets only) during "
                 "training. Pass y, or use alpha=1.0 for label-free distillation."

@@ -104,10 +104,33 @@ class TrainStep:
                 # LossScaleOptimizer skips non-finite steps and updates its scale itself.
                 self.optimizer.apply(grads, applied)
             else:
-                ops.cond(finite, lambda: self.optimizer.apply(grads, applied), lambda: None)
+                _apply_if_finite(self.optimizer, finite, grads, applied)
             self._kp_update_step_metrics(norm, finite)
 
         logs = self.get_metrics_result()
         if self.loss_scale_optimizer is not None:
             logs["loss_scale"] = tf.identity(self.loss_scale_optimizer.dynamic_scale)
         return logs
+
+
+def _apply_if_finite(optimizer, finite, grads, variables):
+    """`optimizer.apply` when `finite`, else nothing; also inside a tf.distribute strategy.
+
+    Under a strategy that needs `merge_call` (e.g. MirroredStrategy), `apply` synchronises
+    replicas, which cannot happen inside a replica-context `cond`; the cond then runs in the
+    cross-replica context, as Keras' `LossScaleOptimizer._tf_apply` does.
+    """
+    if not tf.distribute.has_strategy() or tf.__internal__.distribute.strategy_supports_no_merge_call():
+        ops.cond(finite, lambda: optimizer.apply(grads, variables), lambda: None)
+        return
+
+    def cross_replica(distribution, finite, grads, variables):
+        # As Keras' LossScaleOptimizer does: the first replica's decision applies to all.
+        finite = distribution.experimental_local_results(finite)[0]
+
+        def apply_fn():
+            distribution.extended.call_for_each_replica(optimizer.apply, args=(grads, variables))
+
+        ops.cond(finite, apply_fn, lambda: None)
+
+    tf.distribute.get_replica_context().merge_call(cross_replica, args=(finite, grads, variables))

@@ -16,7 +16,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_perf._utils import check_bool, check_int, check_number
+from keras_perf._utils import check_bool, check_int, check_number, in_training_step
 from keras_perf.train_step import LossScaleTrainStep
 
 __all__ = ["DistillationModel", "precompute_teacher_logits"]
@@ -438,7 +438,7 @@ class DistillationModel(LossScaleTrainStep, keras.Model):
 
     def get_metrics_result(self):
         results = super().get_metrics_result()
-        if not getattr(self, "_kp_in_train_step", False) and not self.evaluate_distillation:
+        if not in_training_step() and not self.evaluate_distillation:
             for name in _DISTILL_METRICS:
                 results.pop(name, None)
         return results

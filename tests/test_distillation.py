@@ -375,8 +375,7 @@ def test_missing_labels_or_stored_outputs_raise_with_the_fix():
 
 @pytest.mark.backends("tensorflow")
 def test_fit_inside_a_mirrored_strategy_scope(digits):
-    # Regression: the train step's skip-if-non-finite `cond` wrapped optimizer.apply, whose
-    # merge_call is not allowed in a replica-context cond under MirroredStrategy.
+    # The distiller under a strategy scope (API §1); the train step handles the merge call.
     import tensorflow as tf
 
     (x, y), _ = digits

@@ -8,6 +8,7 @@ Every public name is re-exported here explicitly; the modules hold one concept e
 from keras_perf import backend
 from keras_perf._utils import KerasPerfWarning
 from keras_perf.devices import configure_devices, device_report
+from keras_perf.distillation import DistillationModel, precompute_teacher_logits
 from keras_perf.export import compression_report, export_tflite, tflite_predict
 from keras_perf.flops import estimate_flops_per_example, peak_flops_for_device
 from keras_perf.mixed_precision import check_mixed_precision, setup_mixed_precision
@@ -28,6 +29,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ConstantSparsity",
+    "DistillationModel",
     "EarlyStopping",
     "KerasPerfWarning",
     "LossScaleTrainStep",
@@ -46,6 +48,7 @@ __all__ = [
     "export_tflite",
     "loss_scaled",
     "peak_flops_for_device",
+    "precompute_teacher_logits",
     "prune_low_magnitude",
     "setup_mixed_precision",
     "sparsity_report",

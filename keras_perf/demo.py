@@ -94,7 +94,7 @@ def _row(name, model, acc, monitor, seconds, tflite_bytes=None):
 
 
 def _rate(summary: dict):
-    for key in ("examples_per_s", "mean_examples_per_s", "examples_per_s_mean"):
+    for key in ("median_examples_per_s", "mean_examples_per_s"):
         if summary.get(key) is not None:
             return round(float(summary[key]), 1)
     return None
@@ -251,7 +251,7 @@ def run(out: str | os.PathLike = "keras-perf-demo", epochs: int = 30, verbose: b
         "backend": keras.backend.backend(),
         "policy": policy,
         "epochs": epochs,
-        "teacher_epochs_run": len(stages["teacher"].get("epochs", [])) or None,
+        "teacher_epochs_run": stages["teacher"].get("epochs"),
         "rows": rows,
         "exports": exports,
         "stages": stages,

@@ -217,9 +217,10 @@ def run(out: str | os.PathLike = "keras-perf-demo", epochs: int = 30, verbose: b
     t0 = time.perf_counter()
     tune = max(2, epochs // 2)
     steps = tune * int(np.ceil(len(x) / 64))
+    start = int(keras.ops.convert_to_numpy(distiller.optimizer.iterations))  # steps count on
     schedule = kp.PolynomialDecay(
-        initial_sparsity=0.0, final_sparsity=0.8, begin_step=0,
-        end_step=max(1, int(steps * 0.6)), frequency=max(1, steps // 20),
+        initial_sparsity=0.0, final_sparsity=0.8, begin_step=start,
+        end_step=start + max(1, int(steps * 0.6)), frequency=max(1, steps // 20),
     )
     pruning = kp.PruningCallback(schedule)
     mon, cbs = stage_callbacks("pruned", tune, [pruning])

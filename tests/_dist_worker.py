@@ -193,6 +193,34 @@ def monitor_case(scope):
     return {"examples": [h["examples"] for h in mon.history], "steps": [h["steps"] for h in mon.history]}
 
 
+def distill_case(scope):
+    """DistillationModel: student weights after 2 epochs, one device vs inside `scope`."""
+    import keras
+
+    import keras_perf as kp
+
+    x, y = data()
+
+    def run():
+        teacher = build(seed=7)
+        student = build(seed=0)
+        distiller = kp.DistillationModel(student, teacher, temperature=3.0, alpha=0.7)
+        distiller.compile(
+            optimizer=keras.optimizers.SGD(0.1, momentum=0.9),
+            student_loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        distiller.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+        return student.get_weights(), teacher.get_weights()
+
+    ref_student, ref_teacher = run()
+    with scope():
+        student, teacher = run()
+    return {
+        "student": max_diff(ref_student, student),
+        "teacher_unchanged": max_diff(ref_teacher, [w for w in build(seed=7).get_weights()]),
+    }
+
+
 def tf_mirrored():
     import tensorflow as tf
 
@@ -207,6 +235,7 @@ def tf_mirrored():
     out["overflow"] = overflow_case(strategy.scope)
     out["pruning"] = pruning_case(strategy.scope)
     out["monitor"] = monitor_case(strategy.scope)
+    out["distill"] = distill_case(strategy.scope)
     return out
 
 
@@ -255,6 +284,7 @@ def jax_dp():
         out[f"train_step_mb{k}"] = train_step_case(scope, k)
     out["pruning"] = pruning_case(scope)
     out["monitor"] = monitor_case(scope)
+    out["distill"] = distill_case(scope)
     return out
 
 

@@ -187,3 +187,15 @@ def test_multi_worker_monitor_counts_global_examples(mwms):
 @pytest.mark.backends("jax")
 def test_jax_data_parallel_monitor(jax_dp):
     assert jax_dp["monitor"] == {"examples": [64, 64], "steps": [4, 4]}
+
+
+@pytest.mark.backends("tensorflow")
+def test_mirrored_distillation_matches_one_device(mirrored):
+    assert mirrored["distill"]["student"] < 1e-5
+    assert mirrored["distill"]["teacher_unchanged"] == 0.0
+
+
+@pytest.mark.backends("jax")
+def test_jax_data_parallel_distillation_matches_one_device(jax_dp):
+    assert jax_dp["distill"]["student"] < 1e-5
+    assert jax_dp["distill"]["teacher_unchanged"] == 0.0

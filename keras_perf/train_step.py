@@ -309,7 +309,9 @@ def loss_scaled(
             "(`keras.Input(shape)` as first layer) or call it on data before kp.loss_scaled()."
         )
     new = LossScaledModel(
-        inputs=inputs,
+        # A single input as a tensor, not a one-element list: Keras warns when the structure
+        # of the data (one array) differs from that of the inputs.
+        inputs=inputs[0] if len(inputs) == 1 else inputs,
         outputs=outputs,
         name=model.name,
         initial_scale=initial_scale,

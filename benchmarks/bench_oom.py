@@ -15,16 +15,16 @@ Run: python benchmarks/bench_oom.py [--quick] [--json PATH]
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from _harness import abba, finish, parse_args, row, timed  # noqa: E402
 
 import keras_perf as kp  # noqa: E402
-from benchmarks._harness import abba, finish, parse_args, row, timed  # noqa: E402
 
 
 def mlp(seed=0):

@@ -95,7 +95,8 @@ class Recorder(keras.callbacks.Callback):
 @pytest.mark.parametrize("kind", ["stock", "mixin"])
 def test_mid_epoch_oom_recovers_exactly(kind):
     # 48 examples, batch 16: 3 steps per epoch. The 6th step (epoch 1, step 2) runs out of
-    # memory after two Adam updates of epoch 1 were applied: they must be rolled back.
+    # memory after two Adam updates of epoch 1 were applied: they must be rolled back. The
+    # last epoch fails, so that few eager micro-batched steps run (slow on JAX).
     x, y = _data(n=48)
     model, layer = _model(threshold=8, from_call=5)
     if kind == "mixin":
@@ -104,25 +105,25 @@ def test_mid_epoch_oom_recovers_exactly(kind):
     rec = Recorder()
     early = keras.callbacks.EarlyStopping(monitor="loss", patience=5)
     h = kp.fit_with_oom_retry(
-        model, x, y, batch_size=16, epochs=3, shuffle=False, verbose=0, callbacks=[rec, early]
+        model, x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, callbacks=[rec, early]
     )
 
-    # Reference: epoch 0 as one batch of 16, epochs 1-2 with the surviving 2 x 8 from the start.
+    # Reference: epoch 0 in batches of 16, epoch 1 with the surviving 2 x 8 from its start.
     ref, _ = _model()
     _compile(ref, eager=False)
     h0 = ref.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     twin = kp.loss_scaled(ref, microbatches=2)
-    h1 = twin.fit(x, y, batch_size=16, epochs=3, initial_epoch=1, shuffle=False, verbose=0)
+    h1 = twin.fit(x, y, batch_size=16, epochs=2, initial_epoch=1, shuffle=False, verbose=0)
 
     assert _max_diff(model, ref) < 1e-5
     np.testing.assert_allclose(h.history["loss"], h0.history["loss"] + h1.history["loss"], rtol=1e-5)
-    assert h.epoch == [0, 1, 2]
+    assert h.epoch == [0, 1]
     assert len(layer.raised) == 1
     assert [(e["epoch"], e["batch_size"], e["microbatches"]) for e in h.oom_events] == [(1, 16, 1)]
     assert type(layer.raised[0]).__name__ in h.oom_events[0]["error"]
     assert "batch 16" in h.oom_events[0]["error"]
-    assert int(ref.optimizer.iterations) == int(h.model.optimizer.iterations) == 9
-    assert (rec.train_begin, rec.train_end, rec.epochs_ended) == (1, 1, [0, 1, 2])
+    assert int(ref.optimizer.iterations) == int(h.model.optimizer.iterations) == 6
+    assert (rec.train_begin, rec.train_end, rec.epochs_ended) == (1, 1, [0, 1])
     assert h.model.microbatches == 2
     if kind == "mixin":
         assert h.model is model

@@ -92,7 +92,11 @@ class Recorder(keras.callbacks.Callback):
         self.train_end += 1
 
 
-@pytest.mark.parametrize("kind", ["stock", "mixin"])
+# The mixin path is backend-neutral code; on JAX the eager micro-batched steps are slow
+# (lax.scan compiles at each eager step), so JAX runs the stock case only.
+@pytest.mark.parametrize(
+    "kind", ["stock", pytest.param("mixin", marks=pytest.mark.backends("tensorflow", "torch"))]
+)
 def test_mid_epoch_oom_recovers_exactly(kind):
     # 48 examples, batch 16: 3 steps per epoch. The 6th step (epoch 1, step 2) runs out of
     # memory after two Adam updates of epoch 1 were applied: they must be rolled back. The

@@ -302,3 +302,44 @@ def test_oom_error_is_recognised(message):
     assert kp.backend.is_oom(kp.backend.oom_error(message))
     assert not kp.backend.is_oom(ValueError(message))
     assert not kp.backend.is_oom(RuntimeError("boom"))
+
+
+@pytest.mark.backends("jax")
+def test_jax_failure_inside_compiled_step_with_donated_buffers():
+    # A failure while the jitted step runs (its input buffers are donated), mid-epoch. The OOM
+    # is raised from a host callback, which XLA reports as INTERNAL with the callback's
+    # RESOURCE_EXHAUSTED text inside: the runtime path of a real failure, not its exact status.
+    import jax
+
+    class HostOOM(keras.layers.Layer):
+        def __init__(self, fail_at):
+            super().__init__()
+            self.fail_at, self.count = fail_at, 0
+
+        def _check(self):
+            self.count += 1
+            if self.count == self.fail_at:
+                raise kp.backend.oom_error("Out of memory while trying to allocate 1.0GiB (injected).")
+            return np.float32(0.0)
+
+        def call(self, x, training=False):
+            if not training or x.shape[0] is None or x.shape[0] <= 8:
+                return x
+            z = jax.experimental.io_callback(self._check, jax.ShapeDtypeStruct((), "float32"), ordered=True)
+            return x + z
+
+    def build(fail_at):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), HostOOM(fail_at), keras.layers.Dense(3)]
+        )
+        return _compile(model, eager=False)
+
+    x, y = _data(n=48)
+    model = build(fail_at=5)  # epoch 1, step 1
+    h = kp.fit_with_oom_retry(model, x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    ref = build(fail_at=0)
+    ref.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    kp.loss_scaled(ref, microbatches=2).fit(x, y, batch_size=16, epochs=2, initial_epoch=1, shuffle=False, verbose=0)
+    assert [(e["epoch"], e["microbatches"]) for e in h.oom_events] == [(1, 1)]
+    assert _max_diff(model, ref) < 1e-5 and h.epoch == [0, 1]

@@ -8,8 +8,11 @@ step: models that inject mid-epoch are compiled with `run_eagerly=True` on Tenso
 (Keras runs the same train step without tf.function / jax.jit; torch is eager anyway). Inside
 tf.function the batch size is unknown at trace time, and a Python exception raised from a
 host callback (tf.py_function, jax io_callback) reaches the caller re-wrapped as a different
-error (UnknownError / INTERNAL), so those would not test the real exception types. On JAX
-a compiled test raises while jax.jit traces the step, where the slice size is static.
+error (UnknownError / INTERNAL), so those would not test the real exception types. On JAX,
+size-only injection raises while jax.jit traces the step (slice sizes are static there), and
+one test does fail inside the running compiled step through a host callback, to exercise
+restoring after XLA donated the state buffers (XLA reports it as INTERNAL with the callback's
+RESOURCE_EXHAUSTED text inside, which the shim's text check accepts).
 """
 
 import keras

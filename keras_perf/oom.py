@@ -330,7 +330,7 @@ def fit_with_oom_retry(
         callbacks.set_model(fitting)
         epoch = failed
 
-    history = callbacks._history
+    history = next(cb for cb in callbacks.callbacks if isinstance(cb, keras.callbacks.History))
     history.oom_events = events
     model.history = history
     return history

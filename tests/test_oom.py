@@ -3,15 +3,14 @@
 CPU training never runs out of memory, so `OOMAbove` raises the backend's own OOM exception
 (`kp.backend.oom_error`: TF `ResourceExhaustedError`, XLA `JaxRuntimeError` with status
 RESOURCE_EXHAUSTED, `torch.OutOfMemoryError`) when a training call sees more examples than a
-threshold, as an allocator would. The check is Python code in `call`, so it must run at each
-step: models that inject mid-epoch are compiled with `run_eagerly=True` on TensorFlow and JAX
-(Keras runs the same train step without tf.function / jax.jit; torch is eager anyway). Inside
-tf.function the batch size is unknown at trace time, and a Python exception raised from a
-host callback (tf.py_function, jax io_callback) reaches the caller re-wrapped as a different
-error (UnknownError / INTERNAL), so those would not test the real exception types. On JAX,
-size-only injection raises while jax.jit traces the step (slice sizes are static there), and
-one test does fail inside the running compiled step through a host callback, to exercise
-restoring after XLA donated the state buffers (XLA reports it as INTERNAL with the callback's
+threshold, as an allocator would. The check is Python code in `call`, so on TensorFlow the
+models are compiled with `run_eagerly=True` (Keras runs the same train step without
+tf.function, whose traced batch size is unknown); torch is eager anyway. On JAX the layer
+raises while jax.jit traces the step, where slice sizes are static. A Python exception raised
+from a host callback (tf.py_function, jax io_callback) reaches the caller re-wrapped as a
+different error (UnknownError / INTERNAL), so that route would not test the real exception
+types. One JAX test uses it anyway, for a failure inside the running compiled step at a chosen
+step, after XLA donated the state buffers (XLA reports INTERNAL with the callback's
 RESOURCE_EXHAUSTED text inside, which the shim's text check accepts).
 """
 
@@ -23,9 +22,8 @@ import keras_perf as kp
 
 BACKEND = keras.backend.backend()
 SCE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-# run_eagerly where the layer must see every step: mid-epoch injection on TF and JAX; on TF
-# also to see the batch size at all. On JAX, size-only injection runs compiled (jit traces).
-EAGER_STEPS = BACKEND != "torch"
+# run_eagerly on TF, where the traced batch size is unknown; on JAX size-only injection runs
+# compiled (the layer raises while jax.jit traces the step); torch is eager anyway.
 EAGER = BACKEND == "tensorflow"
 
 
@@ -95,11 +93,11 @@ class Recorder(keras.callbacks.Callback):
         self.train_end += 1
 
 
-# The mixin path is backend-neutral code; on JAX the eager micro-batched steps are slow
-# (lax.scan compiles at each eager step), so JAX runs the stock case only.
-@pytest.mark.parametrize(
-    "kind", ["stock", pytest.param("mixin", marks=pytest.mark.backends("tensorflow", "torch"))]
-)
+# Eager on TF; torch is eager anyway. On JAX, eager micro-batched steps are slow (lax.scan
+# compiles at each eager step), so JAX's mid-epoch case is the compiled host-callback test
+# at the end of this file (test_jax_failure_inside_compiled_step_with_donated_buffers).
+@pytest.mark.backends("tensorflow", "torch")
+@pytest.mark.parametrize("kind", ["stock", "mixin"])
 def test_mid_epoch_oom_recovers_exactly(kind):
     # 48 examples, batch 16: 3 steps per epoch. The 6th step (epoch 1, step 2) runs out of
     # memory after two Adam updates of epoch 1 were applied: they must be rolled back. The
@@ -108,7 +106,7 @@ def test_mid_epoch_oom_recovers_exactly(kind):
     model, layer = _model(threshold=8, from_call=5)
     if kind == "mixin":
         model = kp.loss_scaled(model)
-    _compile(model, eager=EAGER_STEPS)
+    _compile(model, eager=True)
     rec = Recorder()
     early = keras.callbacks.EarlyStopping(monitor="loss", patience=5)
     h = kp.fit_with_oom_retry(

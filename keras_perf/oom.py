@@ -203,7 +203,8 @@ def fit_with_oom_retry(
     optimizer: the model you passed ends with the trained weights; `history.model` is the
     model that finished the run. Subclassed models need the mixin to be recoverable. This
     works for every kind of input, including tf.data and generators, which cannot be
-    re-batched.
+    re-batched. Only the train step is sliced: an OOM during validation is retried until
+    `max_retries` is used up (pass a smaller `validation_batch_size`).
 
     Callback contract: one set of callbacks serves the whole run. `on_train_begin` and
     `on_train_end` are called once; `on_epoch_end` once per completed epoch, so `History`,

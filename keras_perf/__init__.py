@@ -8,22 +8,50 @@ Every public name is re-exported here explicitly; the modules hold one concept e
 from keras_perf import backend
 from keras_perf._utils import KerasPerfWarning
 from keras_perf.devices import configure_devices, device_report
+from keras_perf.export import compression_report, export_tflite, tflite_predict
+from keras_perf.flops import estimate_flops_per_example, peak_flops_for_device
 from keras_perf.mixed_precision import check_mixed_precision, setup_mixed_precision
+from keras_perf.monitor import TrainingMonitor
 from keras_perf.oom import find_max_microbatch, fit_with_oom_retry
+from keras_perf.pruning import (
+    ConstantSparsity,
+    PolynomialDecay,
+    PruningCallback,
+    PruningSchedule,
+    prune_low_magnitude,
+    sparsity_report,
+    strip_pruning,
+)
+from keras_perf.stopping import EarlyStopping, TimeLimit
 from keras_perf.train_step import LossScaledModel, LossScaleTrainStep, loss_scaled
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ConstantSparsity",
+    "EarlyStopping",
     "KerasPerfWarning",
     "LossScaleTrainStep",
     "LossScaledModel",
+    "PolynomialDecay",
+    "PruningCallback",
+    "PruningSchedule",
+    "TimeLimit",
+    "TrainingMonitor",
     "backend",
     "check_mixed_precision",
+    "compression_report",
     "configure_devices",
     "device_report",
+    "estimate_flops_per_example",
+    "export_tflite",
     "find_max_microbatch",
     "fit_with_oom_retry",
     "loss_scaled",
+    "peak_flops_for_device",
+    "prune_low_magnitude",
     "setup_mixed_precision",
+    "sparsity_report",
+    "strip_pruning",
+    "tflite_predict",
 ]

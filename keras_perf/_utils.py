@@ -6,11 +6,33 @@ everywhere: they name the argument, show the value received and say what is acce
 
 from __future__ import annotations
 
+import contextlib
 import numbers
+import threading
 import warnings
 from collections.abc import Iterator
 
 import keras
+
+_LOCAL = threading.local()
+
+
+@contextlib.contextmanager
+def training_step():
+    """Marks the current thread as inside a keras-perf train step.
+
+    Thread-local because tf.distribute.MirroredStrategy runs the replicas' steps in threads.
+    """
+    previous = getattr(_LOCAL, "in_train_step", False)
+    _LOCAL.in_train_step = True
+    try:
+        yield
+    finally:
+        _LOCAL.in_train_step = previous
+
+
+def in_training_step() -> bool:
+    return getattr(_LOCAL, "in_train_step", False)
 
 
 class KerasPerfWarning(UserWarning):

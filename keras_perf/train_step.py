@@ -20,7 +20,7 @@ import keras
 from keras import ops
 
 from keras_perf import backend as _backend
-from keras_perf._utils import check_int, check_number
+from keras_perf._utils import check_int, check_number, in_training_step
 
 __all__ = ["LossScaleTrainStep", "LossScaledModel", "loss_scaled"]
 
@@ -112,7 +112,6 @@ class LossScaleTrainStep(_backend.TrainStepBase):
         self.initial_scale = check_number("initial_scale", initial_scale, low=0.0, low_inclusive=False)
         self.dynamic_growth_steps = check_int("dynamic_growth_steps", dynamic_growth_steps, minimum=1)
         super().__init__(*args, **kwargs)
-        self._kp_in_train_step = False
         self.grad_norm_tracker = keras.metrics.Mean(name="grad_norm")
         self.skipped_steps_tracker = keras.metrics.Sum(name="skipped_steps", dtype="int32")
 
@@ -197,11 +196,19 @@ class LossScaleTrainStep(_backend.TrainStepBase):
         if not present:
             zero = ops.zeros((), "float32")
             return grads, ops.ones((), "bool"), zero
-        squares = ops.stack([ops.sum(ops.square(ops.cast(g, "float32"))) for g in present])
-        norm = ops.sqrt(ops.sum(squares))
+        # One pass over the gradients: a dot product per tensor (no squared temporary). A NaN
+        # or inf anywhere makes the sum non-finite; only then is each tensor checked, to tell
+        # a real non-finite gradient from a finite one whose squared norm overflows float32.
+        flat = [ops.cast(g, "float32") for g in present]
+        sum_sq = ops.sum(ops.stack([ops.vdot(g, g) for g in flat]))
+        finite = ops.cond(
+            ops.isfinite(sum_sq),
+            lambda: ops.ones((), "bool"),
+            lambda: ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in flat])),
+        )
+        norm = ops.sqrt(sum_sq)
         if scale is not None:
             norm = norm / ops.cast(scale, "float32")
-        finite = ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in present]))
         if self._clipnorm is not None:
             clip = ops.cast(self._clipnorm, "float32")
             factor = clip / ops.maximum(norm, clip)
@@ -218,7 +225,7 @@ class LossScaleTrainStep(_backend.TrainStepBase):
         # grad_norm and skipped_steps belong to training: keep them out of evaluate()'s logs
         # (and so out of the val_* keys). The flag is read while the step is traced.
         results = super().get_metrics_result()
-        if not getattr(self, "_kp_in_train_step", False):
+        if not in_training_step():
             for name in _STEP_METRICS:
                 results.pop(name, None)
         return results

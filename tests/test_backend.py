@@ -1,6 +1,9 @@
 """The backend shim: OOM detection, memory stats, device list, host memory."""
 
+import sys
+
 import keras
+import numpy as np
 import pytest
 
 from keras_perf import backend
@@ -88,3 +91,23 @@ def test_host_memory_is_plausible():
 
 def test_clear_memory_runs():
     backend.clear_memory()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/clear_refs is Linux-only")
+def test_reset_host_peak_memory_lowers_the_peak():
+    big = np.ones(40_000_000)  # 320 MB resident
+    big[::512] = 2.0
+    high = backend.host_memory()["peak_bytes"]
+    del big
+    assert backend.reset_host_peak_memory() is True
+    low = backend.host_memory()["peak_bytes"]
+    assert low < high - 200e6
+
+
+def test_examples_seen_counts_real_batch_sizes():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    model.compile("sgd", "mse")
+    assert backend.examples_seen(model) is None  # nothing counted yet
+    x, y = np.ones((21, 4), "float32"), np.ones((21, 2), "float32")
+    model.fit(x, y, batch_size=8, epochs=1, verbose=0)  # batches of 8, 8 and 5
+    assert backend.examples_seen(model) == 21

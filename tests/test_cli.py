@@ -26,3 +26,89 @@ def test_unknown_subcommand_fails():
     with pytest.raises(SystemExit) as info:
         cli.main(["frobnicate"])
     assert info.value.code == 2
+
+
+# --- demo -------------------------------------------------------------------------------
+
+REPORT_ROW_KEYS = {"model", "accuracy", "params", "nonzero", "gzip_bytes", "tflite_bytes",
+                   "examples_per_s", "time_s"}
+
+
+@pytest.mark.slow
+@pytest.mark.backends("tensorflow", "jax")
+def test_demo_runs_end_to_end(tmp_path, capsys):
+    import json
+
+    out = tmp_path / "demo"
+    assert cli.main(["demo", "--epochs", "1", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    report = json.loads((out / "report.json").read_text())
+    assert report["epochs"] == 1
+    names = [r["model"] for r in report["rows"]]
+    assert names == ["teacher", "student alone", "distilled", "pruned 80%", "TFLite dynamic", "TFLite int8"]
+    for r in report["rows"]:
+        assert set(r) == REPORT_ROW_KEYS
+        assert 0.3 <= r["accuracy"] <= 1.0, r      # one epoch on digits: far above chance (0.1)
+        assert r["params"] > 0 and 0 < r["nonzero"] <= r["params"]
+    rows = {r["model"]: r for r in report["rows"]}
+    assert rows["teacher"]["params"] > 10 * rows["distilled"]["params"]
+    # 80 % of the kernels are zero after pruning; biases are not pruned.
+    assert rows["pruned 80%"]["nonzero"] < 0.3 * rows["pruned 80%"]["params"]
+    assert rows["TFLite int8"]["tflite_bytes"] < rows["TFLite dynamic"]["tflite_bytes"] * 1.5
+    for name in report["files"]:
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    for name in ("teacher.png", "summary.png", "teacher.jsonl", "student_int8.tflite"):
+        assert name in report["files"]
+    assert "TFLite int8" in printed and "gzip B" in printed
+
+
+def test_demo_rejects_bad_epochs():
+    proc = subprocess.run(
+        [sys.executable, "-m", "keras_perf.cli", "demo", "--epochs", "0"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "--epochs" in proc.stderr and ">= 1" in proc.stderr
+
+
+def test_demo_rejects_unknown_backend():
+    proc = subprocess.run(
+        [sys.executable, "-m", "keras_perf.cli", "demo", "--backend", "theano"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "--backend" in proc.stderr and "tensorflow" in proc.stderr
+
+
+# --- bench ------------------------------------------------------------------------------
+
+
+def test_bench_rejects_unknown_backend(capsys):
+    assert cli.main(["bench", "--backends", "theano"]) == 2
+    assert "theano" in capsys.readouterr().err
+
+
+def test_bench_without_scripts_says_where_it_looked(tmp_path, capsys):
+    assert cli.main(["bench", "--dir", str(tmp_path)]) == 2
+    assert "bench_*.py" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.backends("tensorflow")
+def test_bench_quick_prints_every_row(tmp_path):
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    md = tmp_path / "bench.md"
+    proc = subprocess.run(
+        [sys.executable, "-m", "keras_perf.cli", "bench", "--quick", "--markdown", str(md)],
+        capture_output=True, text=True, timeout=900, cwd=root,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    scripts = sorted(p.name for p in (root / "benchmarks").glob("bench_*.py"))
+    for name in scripts:
+        assert f"running {name}" in proc.stdout
+    assert "FAILED" not in proc.stdout
+    table = md.read_text()
+    rows = [ln for ln in table.splitlines() if ln.startswith("| ") and not ln.startswith("| claim")]
+    assert len(rows) >= len(scripts)              # every script contributes its claims

@@ -53,6 +53,23 @@ _step = importlib.import_module(f"{__name__}.train_step_{_MODULES[BACKEND]}")
 TrainStepBase = _step.TrainStep
 
 
+def any_worker(flag: bool, model=None) -> bool:
+    """`flag` OR-ed over the workers of a multi-worker run (TF MultiWorkerMirroredStrategy).
+
+    Callbacks that decide from local facts (a wall clock) call this so every worker takes
+    the same decision; elsewhere (one process) it returns `flag` unchanged. Every worker
+    must call it the same number of times: it is a collective operation.
+    """
+    fn = getattr(_impl, "any_worker", None)
+    return bool(flag) if fn is None else fn(bool(flag), model)
+
+
+def is_multi_worker(model=None) -> bool:
+    """Whether training runs in several processes that must agree (TF multi-worker)."""
+    fn = getattr(_impl, "is_multi_worker", None)
+    return False if fn is None else fn(model)
+
+
 def clear_memory() -> None:
     """Collect garbage, then release the backend's cached accelerator memory."""
     gc.collect()
@@ -71,7 +88,10 @@ def is_oom(exc: BaseException) -> bool:
 
 
 def host_memory() -> dict:
-    """Resident memory of this process: ``{"current_bytes", "peak_bytes"}`` (peak since start)."""
+    """Resident memory of this process: ``{"current_bytes", "peak_bytes"}``.
+
+    The peak is since the process started, or since the last `reset_host_peak_memory()`.
+    """
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     peak = peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB.
     current = None
@@ -81,6 +101,48 @@ def host_memory() -> dict:
     except (OSError, ValueError, IndexError):
         pass
     return {"current_bytes": current, "peak_bytes": int(peak)}
+
+
+def reset_host_peak_memory() -> bool:
+    """Reset this process's peak resident memory (Linux); False where unsupported.
+
+    Writes ``5`` to ``/proc/self/clear_refs`` (Linux >= 4.0), which resets the kernel's
+    high-water mark that ``getrusage`` and ``VmHWM`` report. It is process-wide: any later
+    `host_memory()` peak counts from this moment.
+    """
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def examples_seen(model) -> int | None:
+    """Examples Keras' built-in loss tracker has counted since the model's metrics were reset.
+
+    Keras' own `train_step`/`test_step` (every backend) update `model._loss_tracker`, a
+    `keras.metrics.Mean`, with `sample_weight` = the leading dimension of the batch's first
+    input, so its `count` is the number of examples seen this epoch, a short last batch and
+    `steps_per_execution > 1` included. `fit` resets it at each epoch start and `evaluate`
+    resets it at its start (after `on_test_begin`). Private attribute, present since Keras 3.0,
+    checked with Keras 3.15. Reading it syncs the device: call it per epoch, never per batch.
+
+    Returns:
+        The count as an int, or None when the model has no such tracker or it counted nothing
+        (a custom `train_step` that does not update it).
+    """
+    tracker = getattr(model, "_loss_tracker", None)
+    count = getattr(tracker, "count", None)
+    if count is None:
+        return None
+    # float() of the 0-d backend tensor: on TF, convert_to_numpy of a variable warns under NumPy 2.
+    raw = getattr(count, "value", count)
+    if hasattr(raw, "read_value"):
+        # tf.distribute: a sync-on-read variable; reading it outside the replicas sums them.
+        raw = raw.read_value()
+    value = float(raw)
+    return int(round(value)) if value > 0 else None
 
 
 def has_accelerator() -> bool:
@@ -96,3 +158,9 @@ def is_functional(model) -> bool:
     return isinstance(model, Functional) or (
         isinstance(model, keras.Sequential) and bool(getattr(model, "inputs", None))
     )
+
+#: Whether a compiled train step reads a variable that is not part of the model's or the
+#: optimizer's state when it runs (TensorFlow graphs, eager torch), or bakes its value in when
+#: traced (a jitted JAX step receives only that state). Pruning retraces the JAX step when its
+#: masks change.
+STEP_READS_EXTERNAL_VARIABLES: bool = BACKEND != "jax"

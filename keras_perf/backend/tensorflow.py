@@ -87,3 +87,25 @@ def clear_memory() -> None:
     # TensorFlow's BFC allocator keeps its pool and has no public call to return it; the
     # tensors of a failed step are freed by the garbage collection the caller runs.
     return None
+
+
+def _strategy(model):
+    if model is not None and getattr(model, "_distribute_strategy", None) is not None:
+        return model._distribute_strategy
+    return tf.distribute.get_strategy()
+
+
+def is_multi_worker(model=None) -> bool:
+    strategy = _strategy(model)
+    extended = getattr(strategy, "extended", None)
+    return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and bool(
+        getattr(extended, "_in_multi_worker_mode", lambda: False)()
+    )
+
+
+def any_worker(flag: bool, model=None) -> bool:
+    if not is_multi_worker(model):
+        return flag
+    strategy = _strategy(model)
+    local = strategy.run(lambda: tf.constant(1.0 if flag else 0.0))
+    return float(strategy.reduce("SUM", local, axis=None)) > 0

@@ -16,7 +16,7 @@ from keras import ops
 # (what Keras' own JAX trainer uses; checked on Keras 3.8-3.15).
 from keras.src.backend import StatelessScope
 
-from keras_perf._utils import first_tensor, map_batch
+from keras_perf._utils import first_tensor, map_batch, training_step
 
 
 def _index(variables, target):
@@ -30,11 +30,8 @@ class TrainStep:
     """JAX `train_step(state, data)`; mixed into `kp.LossScaleTrainStep`."""
 
     def train_step(self, state, data):
-        self._kp_in_train_step = True
-        try:
+        with training_step():
             return self._kp_train_step(state, data)
-        finally:
-            self._kp_in_train_step = False
 
     def _kp_grad_fn(self, weight):
         def weighted(*args, **kwargs):

@@ -18,11 +18,74 @@ from keras import ops
 # the undivided value; this is its helper for that (checked on Keras 3.8-3.15).
 from keras.src.losses.loss import unscale_loss_for_distribution
 
-from keras_perf._utils import first_tensor, map_batch
+from keras_perf._utils import first_tensor, map_batch, training_step
+
+
+def _multi_worker(strategy) -> bool:
+    extended = getattr(strategy, "extended", None)
+    return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and bool(
+        getattr(extended, "_in_multi_worker_mode", lambda: False)()
+    )
+
+
+def _all_reduce(grads):
+    """Sum the gradients over the replicas of a tf.distribute strategy.
+
+    Every replica then sees the global gradient, so the finiteness test, the norm and the
+    clipping agree on all replicas (Keras' LossScaleOptimizer tests each replica's own
+    gradients and keeps the first replica's verdict). Returns (grads, number of replicas).
+    """
+    if not tf.distribute.has_strategy() or tf.distribute.in_cross_replica_context():
+        return grads, 1
+    ctx = tf.distribute.get_replica_context()
+    replicas = ctx.num_replicas_in_sync
+    present = [g for g in grads if g is not None]
+    if replicas == 1 or not present:
+        return grads, replicas
+    reduced = iter(ctx.all_reduce(tf.distribute.ReduceOp.SUM, present))
+    return [None if g is None else next(reduced) for g in grads], replicas
+
+
+def _apply_if_finite(optimizer, finite, grads, variables):
+    """`optimizer.apply` only when `finite`, also under strategies that need a merge call."""
+    if not tf.distribute.has_strategy() or tf.__internal__.distribute.strategy_supports_no_merge_call():
+        ops.cond(finite, lambda: optimizer.apply(grads, variables), lambda: None)
+        return
+
+    def cross_replica(distribution, finite, grads):
+        # A cond whose branch reaches the optimizer's merge call must run in cross-replica
+        # context; `finite` is the same on every replica (global gradient), take the first.
+        first = distribution.experimental_local_results(finite)[0]
+
+        def apply():
+            distribution.extended.call_for_each_replica(optimizer.apply, args=(grads, variables))
+
+        ops.cond(first, apply, lambda: None)
+
+    tf.distribute.get_replica_context().merge_call(cross_replica, args=(finite, grads))
 
 
 class TrainStep:
     """TensorFlow `train_step(data)`; mixed into `kp.LossScaleTrainStep`."""
+
+    def _maybe_symbolic_build(self, iterator=None, data_batch=None):
+        # Keras (3.8-3.15) builds a model under a strategy from one distributed batch reduced
+        # with `strategy.reduce("MEAN", (x, y))`; MultiWorkerMirroredStrategy cannot reduce a
+        # tuple and stock `fit` fails there. Any one replica's shard has the right structure
+        # and dtypes for the symbolic build, so take the first local one instead.
+        if self._distribute_strategy is not None and iterator is not None and data_batch is None:
+            strategy = self.distribute_strategy
+
+            def local(value):
+                if isinstance(value, tf.distribute.DistributedValues):
+                    return strategy.experimental_local_results(value)[0]
+                return value
+
+            for _, _, it in iterator:
+                data_batch = tf.nest.map_structure(local, next(it))
+                break
+            iterator = None
+        return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
 
     def _kp_slice_loss(self, x, y, sample_weight, weight):
         """Forward one slice; returns (scaled weighted loss, y_pred) and updates the loss tracker."""
@@ -46,11 +109,8 @@ class TrainStep:
         return grads, variables
 
     def train_step(self, data):
-        self._kp_in_train_step = True
-        try:
+        with training_step():
             return self._kp_train_step(data)
-        finally:
-            self._kp_in_train_step = False
 
     def _kp_train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
@@ -97,17 +157,25 @@ class TrainStep:
                 with keras.name_scope(lso.name, caller=lso):
                     lso.build(variables)
             scale = lso.dynamic_scale if lso is not None else None
+            grads, replicas = _all_reduce(grads)
             grads, finite, norm = self._kp_process_gradients(grads, scale)
+            if replicas > 1:
+                # The optimizer sums the replicas' gradients again: hand it 1/N of the sum.
+                grads = [None if g is None else g / replicas for g in grads]
             pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
             grads, applied = [g for g, _ in pairs], [v for _, v in pairs]
             if lso is not None:
                 # LossScaleOptimizer skips non-finite steps and updates its scale itself.
                 self.optimizer.apply(grads, applied)
             else:
-                ops.cond(finite, lambda: self.optimizer.apply(grads, applied), lambda: None)
+                _apply_if_finite(self.optimizer, finite, grads, applied)
             self._kp_update_step_metrics(norm, finite)
 
         logs = self.get_metrics_result()
         if self.loss_scale_optimizer is not None:
             logs["loss_scale"] = tf.identity(self.loss_scale_optimizer.dynamic_scale)
+        if _multi_worker(self.distribute_strategy):
+            # Keras reduces each log with strategy.reduce("MEAN", v, axis=0) under
+            # MultiWorkerMirroredStrategy, which needs a leading axis: give each value one.
+            logs = {k: tf.reshape(v, [1]) for k, v in logs.items()}
         return logs

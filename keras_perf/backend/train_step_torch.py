@@ -11,18 +11,15 @@ import warnings
 import keras
 import torch
 
-from keras_perf._utils import first_tensor, map_batch
+from keras_perf._utils import first_tensor, map_batch, training_step
 
 
 class TrainStep:
     """PyTorch `train_step(data)`; mixed into `kp.LossScaleTrainStep`."""
 
     def train_step(self, data):
-        self._kp_in_train_step = True
-        try:
+        with training_step():
             return self._kp_train_step(data)
-        finally:
-            self._kp_in_train_step = False
 
     def _kp_train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)

@@ -1,0 +1,151 @@
+"""`keras-perf bench`: run every `benchmarks/bench_*.py` script and print one table.
+
+Each script measures one claim as a ratio against plain Keras (ABBA, median of repeats; see
+benchmarks/_harness.py) and writes its rows as JSON; this runner starts each script in its own
+process (a fresh backend, no state carried between claims), collects the rows and prints them
+with the target beside each figure. The scripts live in the source tree, not in the installed
+package: run from a checkout, or point `--dir` at a `benchmarks/` folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def find_benchmarks(directory: str | None = None) -> Path:
+    """The benchmarks folder: `directory`, else `./benchmarks`, else the checkout's own."""
+    candidates = [Path(directory)] if directory else [
+        Path.cwd() / "benchmarks",
+        Path(__file__).resolve().parent.parent / "benchmarks",
+    ]
+    for c in candidates:
+        if c.is_dir() and any(c.glob("bench_*.py")):
+            return c
+    where = ", ".join(str(c) for c in candidates)
+    raise FileNotFoundError(
+        f"No benchmarks/bench_*.py scripts found (looked in {where}). The benchmark scripts "
+        "ship with the source checkout: run `keras-perf bench` from the repository root or "
+        "pass `--dir PATH/TO/benchmarks`."
+    )
+
+
+def run_script(script: Path, backend: str, quick: bool, timeout: float) -> dict:
+    """Run one benchmark script; returns {"script", "backend", "rows", "seconds", "error"}."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "rows.json"
+        cmd = [sys.executable, str(script), "--json", str(out)] + (["--quick"] if quick else [])
+        env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2")
+        root = str(script.parent.parent)
+        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+        t0 = time.perf_counter()
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return _failed(script, backend, t0, f"timed out after {timeout:.0f} s")
+        if proc.returncode != 0 or not out.exists():
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+            return _failed(script, backend, t0, f"exit {proc.returncode}: " + " | ".join(tail))
+        rows = json.loads(out.read_text())["rows"]
+    return {"script": script.name, "backend": backend, "rows": rows,
+            "seconds": time.perf_counter() - t0, "error": None}
+
+
+def _failed(script, backend, t0, error):
+    return {"script": script.name, "backend": backend, "rows": [],
+            "seconds": time.perf_counter() - t0, "error": error}
+
+
+def _fmt(v) -> str:
+    return "-" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+def _spread(r: dict) -> str:
+    parts = []
+    for key in ("wall_spread", "cpu_spread"):
+        s = r.get(key) or []
+        if len(s) == 2:
+            parts.append(f"{key.split('_')[0]} {s[0]:.2f}-{s[1]:.2f}")
+    return ", ".join(parts)
+
+
+def table(results: list[dict], markdown: bool = False) -> str:
+    """The rows of every script as one table (plain text or Markdown)."""
+    head = ["claim", "backend", "wall ratio", "CPU ratio", "target", "spread", "n", "note"]
+    body = []
+    for res in results:
+        if res["error"]:
+            body.append([res["script"], res["backend"], "FAILED", "", "", "", "", res["error"][:200]])
+        for r in res["rows"]:
+            body.append([r["claim"], r["backend"], _fmt(r["wall_ratio"]), _fmt(r.get("cpu_ratio")),
+                         r["target"], _spread(r), _fmt(r.get("repeats")), r.get("note", "")])
+    if markdown:
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines += ["| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in body]
+        return "\n".join(lines)
+    widths = [max(len(str(row[i])) for row in [head, *body]) for i in range(len(head))]
+    out = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
+    out.append("  ".join("-" * w for w in widths))
+    out += ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)) for row in body]
+    return "\n".join(out)
+
+
+def machine() -> str:
+    import keras
+
+    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
+            f"{platform.platform(terse=True)}, Python {platform.python_version()}, "
+            f"Keras {keras.__version__}")
+
+
+def main(args) -> int:
+    """Entry point for `keras-perf bench` (args from the CLI parser)."""
+    try:
+        folder = find_benchmarks(args.dir)
+    except FileNotFoundError as e:
+        print(f"keras-perf bench: {e}", file=sys.stderr)
+        return 2
+    scripts = sorted(folder.glob("bench_*.py"))
+    if args.only:
+        scripts = [s for s in scripts if any(o in s.name for o in args.only.split(","))]
+        if not scripts:
+            print(f"keras-perf bench: no script matches --only {args.only!r}", file=sys.stderr)
+            return 2
+    backends = args.backends.split(",") if args.backends else [_current_backend()]
+    unknown = [b for b in backends if b not in ("tensorflow", "jax", "torch")]
+    if unknown:
+        print(f"keras-perf bench: unknown backend(s) {unknown} in --backends; "
+              "use tensorflow, jax and/or torch", file=sys.stderr)
+        return 2
+    timeout = 600 if args.quick else 3600
+    results = []
+    t0 = time.perf_counter()
+    for backend in backends:
+        for script in scripts:
+            print(f"running {script.name} ({backend}{', quick' if args.quick else ''}) ...", flush=True)
+            res = run_script(script, backend, args.quick, timeout)
+            print(f"  {len(res['rows'])} rows in {res['seconds']:.0f} s"
+                  + (f"; FAILED: {res['error']}" if res["error"] else ""), flush=True)
+            results.append(res)
+    total = time.perf_counter() - t0
+    print()
+    print(table(results))
+    print(f"\n{machine()}; {total:.0f} s in all")
+    if args.markdown:
+        cmd = "keras-perf bench" + (" --quick" if args.quick else "") + (
+            f" --backends {args.backends}" if args.backends else "")
+        Path(args.markdown).write_text(
+            f"Command: `{cmd}`\n\nMachine: {machine()}\n\n{table(results, markdown=True)}\n"
+        )
+        print(f"Markdown table written to {args.markdown}")
+    return 1 if any(r["error"] for r in results) else 0
+
+
+def _current_backend() -> str:
+    return os.environ.get("KERAS_BACKEND", "tensorflow")

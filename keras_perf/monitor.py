@@ -1,0 +1,666 @@
+"""Training monitor: throughput, step-time percentiles, peak memory and MFU per epoch.
+
+Two parts, as in Lightning's ThroughputMonitor: `EpochMeter` is plain Python that turns clock
+readings into per-epoch figures; `TrainingMonitor` is the Keras callback that forwards hooks to
+it and adds what needs the model (examples seen, memory, loss scale, FLOPs), the logs, the
+crash-safe JSON-lines file, the summary, the plot and the CSV.
+
+How the clock is read without slowing training down:
+
+- The only per-batch work is one `time.perf_counter()` and one `list.append` in
+  `on_train_batch_begin` (main thread) and in `on_train_batch_end`. The callback sets
+  `async_safe = True`, so on JAX and PyTorch Keras keeps its asynchronous batch dispatch;
+  there the end hook runs in Keras' worker thread *after* Keras has turned that step's logs
+  into Python numbers, i.e. after the step finished on the device. On TensorFlow Keras
+  converts the logs in the main thread before the hook, which is the same point. No extra
+  device synchronisation is added per batch, and `self.model` is never touched in a batch
+  hook. (Keras' JAX loop dispatches a whole epoch ahead of the device; the worker readings
+  still land when each step's results arrive, so they time the device, not the dispatch.
+  Worker threads may wake out of order; steps finish in order, so the k-th earliest reading
+  is taken as step k's end.)
+- A step's time is the gap between consecutive end readings (the first from the epoch's start,
+  so epoch 1's first step includes tracing/compilation) or, when the host is the bottleneck
+  and the worker threads read late and bunched, between begin readings (`EpochMeter` says how
+  it picks). With `steps_per_execution=N` Keras calls the hooks once per execution: each
+  execution is timed and divided by the steps it ran, so percentiles are over executions, in
+  milliseconds per step.
+- Examples come from Keras' own loss tracker, which every built-in `train_step` updates with
+  the batch's leading dimension (a short last batch counts as it is). It is read once per
+  epoch, before validation resets it.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import statistics
+import time
+
+import keras
+import numpy as np
+
+from keras_perf import backend as _backend
+from keras_perf._tensorboard import ScalarWriter
+from keras_perf._utils import check_bool, check_choice, check_int, check_number, warn
+from keras_perf.flops import estimate_flops_per_example, peak_flops_for_device
+
+__all__ = ["EpochMeter", "TrainingMonitor"]
+
+#: Keys the monitor adds to each epoch's logs (when their value is known).
+MONITOR_KEYS = (
+    "epoch_time_s",
+    "val_time_s",
+    "steps",
+    "examples",
+    "steps_per_s",
+    "examples_per_s",
+    "step_time_ms_p50",
+    "step_time_ms_p90",
+    "peak_memory_bytes",
+    "loss_scale",
+    "mfu",
+)
+
+_HIGHER_IS_BETTER = ("acc", "auc", "precision", "recall", "f1", "iou", "top_k")
+
+
+class EpochMeter:
+    """Plain measuring class: per-epoch timing figures from clock readings (no Keras inside).
+
+    Call `start()` at the epoch's start, `step_begin(index)` before and `step_end(index)` after
+    each step (or execution: `index` is the 0-based index of its first/last step),
+    `train_done()` after a device sync that follows the last step, `val_start()`/`val_end()`
+    around validation, then `finish()`. `step_end` only appends to a list, so it is safe to
+    call from Keras' worker threads.
+
+    Step times come from one of two readings, each of which splits the epoch into steps that
+    sum to the epoch time: gaps between step *ends* (right when the host waits for the
+    device, or when ends are read in the main thread as on TensorFlow), or gaps between step
+    *begins* (right when the host is the bottleneck and Keras' worker threads, starved of the
+    GIL, read the ends late and bunched together). The wrong reading squeezes the epoch into
+    one long gap and many near-zero ones, so the reading with the larger median is used.
+
+    Args:
+        step_timing: Record each step's end time (for the percentiles and the step count).
+            Defaults to `True`.
+        clock: Function returning seconds. Defaults to `time.perf_counter`.
+
+    Example:
+        >>> meter = EpochMeter()
+        >>> meter.start()
+        >>> for i in range(3):
+        ...     meter.step_end(i)
+        >>> meter.finish()["steps"]
+        3
+    """
+
+    def __init__(self, step_timing: bool = True, clock=time.perf_counter) -> None:
+        self.step_timing = check_bool("step_timing", step_timing)
+        self.clock = clock
+        self.start()
+
+    def start(self) -> None:
+        """Begin an epoch: forget the previous one and read the clock."""
+        self._ends: list[tuple[int, float]] = []
+        self._begins: list[tuple[int, float]] = []
+        self._train_done: float | None = None
+        self._val_start: float | None = None
+        self._val_end: float | None = None
+        self._t0 = self.clock()
+
+    def step_begin(self, index: int) -> None:
+        """Record that the step (or execution starting at step) `index` is being dispatched."""
+        if self.step_timing:
+            self._begins.append((index, self.clock()))
+
+    def step_end(self, index: int) -> None:
+        """Record that the step (or execution ending at step) `index` has finished."""
+        if self.step_timing:
+            self._ends.append((index, self.clock()))
+
+    def train_done(self) -> None:
+        """Record the end of the training part (call right after a device sync)."""
+        if self._train_done is None:
+            self._train_done = self.clock()
+
+    def val_start(self) -> None:
+        self.train_done()
+        self._val_start = self.clock()
+
+    def val_end(self) -> None:
+        self._val_end = self.clock()
+
+    def finish(self, steps: int | None = None, max_steps: int | None = None) -> dict:
+        """Figures of the epoch: `epoch_time_s`, `val_time_s`, `steps`, `steps_per_s` and, with
+        step timing, `step_time_ms_p50` and `step_time_ms_p90`.
+
+        Args:
+            steps: Steps run this epoch, used when steps were not timed. Defaults to `None`.
+            max_steps: Steps in a full epoch, if known. Keras reports the last execution of
+                an epoch as ending at `begin + steps_per_execution - 1` even when fewer
+                batches were left; this caps the count. Defaults to `None`.
+
+        Returns:
+            A dict; values that are unknown are `None`.
+        """
+        self.train_done()
+        # Steps finish in order, but Keras' worker threads may take their readings out of
+        # order (wake-up jitter): the k-th earliest reading is the k-th step's completion.
+        indices = sorted(i for i, _ in self._ends)
+        if max_steps:
+            indices = [min(i, max_steps - 1) for i in indices]
+        ends = list(zip(indices, sorted(t for _, t in self._ends)))
+        train_end = ends[-1][1] if ends else self._train_done
+        if ends:
+            # The last step's completion, not a later sync, ends the training part; but a
+            # reading taken in a worker thread can lag, so never beyond the sync either.
+            train_end = min(max(t for _, t in ends), self._train_done)
+            steps = ends[-1][0] + 1
+        epoch_time = max(train_end - self._t0, 1e-9)
+        out = {
+            "epoch_time_s": epoch_time,
+            "val_time_s": None,
+            "steps": steps,
+            "steps_per_s": steps / epoch_time if steps else None,
+            "step_time_ms_p50": None,
+            "step_time_ms_p90": None,
+        }
+        if self._val_start is not None and self._val_end is not None:
+            out["val_time_s"] = max(self._val_end - max(self._val_start, train_end), 0.0)
+        if ends:
+            per_step = _gaps([(-1, self._t0)] + ends)
+            begins = sorted(self._begins)
+            if begins and begins[-1][0] < steps:
+                # Dispatch readings: each step spans from its start to the next one's, the
+                # last to the end of training. Like the completion gaps, these sum to the
+                # epoch; see the class docstring for why the larger median wins.
+                dispatch = _gaps([(i - 1, t) for i, t in begins] + [(steps - 1, train_end)])
+                if _quantile(dispatch, 0.5) > _quantile(per_step, 0.5):
+                    per_step = dispatch
+            out["step_time_ms_p50"] = _quantile(per_step, 0.5)
+            out["step_time_ms_p90"] = _quantile(per_step, 0.9)
+        return out
+
+
+def _quantile(values: list[float], q: float) -> float:
+    """The `q` quantile with linear interpolation (NumPy's default), in plain Python: cheaper
+    than NumPy's call overhead for the few hundred values of an epoch."""
+    a = sorted(values)
+    pos = q * (len(a) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(a) - 1)
+    return a[lo] + (a[hi] - a[lo]) * (pos - lo)
+
+
+def _gaps(points: list[tuple[int, float]]) -> list[float]:
+    """Per-step milliseconds between consecutive (last step index, time) readings."""
+    out = []
+    for (i0, t0), (i1, t1) in zip(points, points[1:]):
+        if i1 > i0:
+            out.append(max(t1 - t0, 0.0) / (i1 - i0) * 1000.0)
+    return out
+
+
+@keras.saving.register_keras_serializable(package="keras_perf")
+class TrainingMonitor(keras.callbacks.Callback):
+    """Records throughput, step-time percentiles, peak memory and MFU for every epoch.
+
+    After each epoch a record goes into `history` (one dict per epoch) and, when `log_path` is
+    set, one JSON line is appended to that file and flushed (closed), so a crash of the
+    training process loses nothing already logged. The figures are also added to the epoch's `logs`, so Keras' progress bar,
+    `History` and callbacks listed *after* the monitor see them (put the monitor first).
+
+    Each record holds `epoch` (1-based), `fit` (which `fit` call of this monitor), the Keras
+    logs (`loss`, `val_*`, metrics), and:
+
+    - `epoch_time_s`: the training part, epoch start to the last step's end; validation is
+      timed separately as `val_time_s`;
+    - `steps`, `examples` (real batch sizes: a short last batch counts as it is),
+      `steps_per_s`, `examples_per_s`;
+    - `step_time_ms_p50`, `step_time_ms_p90`: per-step time percentiles (with
+      `steps_per_execution=N`, per execution divided by its steps);
+    - `peak_memory_bytes`: peak memory of the epoch: the first accelerator's allocator peak
+      (TF `get_memory_info`, torch `max_memory_allocated`, both reset each epoch; JAX
+      `peak_bytes_in_use`, which JAX cannot reset, so it is the peak since start), else this
+      process's peak resident memory (reset each epoch on Linux); `memory_device` says which;
+    - `loss_scale` when the optimizer scales the loss;
+    - `mfu` when FLOPs per example and peak FLOP/s are known: given, or estimated
+      (`kp.estimate_flops_per_example`: 3 x forward multiply-adds of Dense/Conv layers, i.e.
+      6 x params for an MLP; `kp.peak_flops_for_device`: a table of known GPUs).
+
+    Timing adds no device synchronisation per batch and keeps Keras' asynchronous dispatch on
+    JAX and PyTorch (`async_safe = True`); see the module docstring for how.
+
+    One monitor used for several `fit` calls *continues*: `history` and the log file keep
+    growing, and epochs are numbered on: a second `fit` from `initial_epoch=0` after 3 epochs
+    logs epochs 4, 5, ...; a resumed `fit(initial_epoch=3)` also logs 4, 5, .... Call `reset()`
+    to start over.
+
+    Args:
+        log_path: File to append one JSON line per epoch to (its folder is created), or `None`.
+            Defaults to `None`.
+        flops_per_example: Training FLOPs per example, or `None` to estimate them for
+            Dense/Conv models (no MFU when unknown). Defaults to `None`.
+        peak_flops: Peak FLOP/s of the device, or `None` to look the accelerator up in a
+            small table (none on CPU: no MFU). Defaults to `None`.
+        step_timing: Time every step for the percentiles. With `False` the batch hooks do
+            nothing, the step count comes from Keras' `params["steps"]` and the percentiles are
+            absent. Defaults to `True`.
+        verbose: `1` prints one line per epoch. Defaults to `0`.
+        log_dir: Folder for TensorBoard scalars (an event file written without TensorFlow,
+            tags `keras_perf/<key>`), or `None`. Defaults to `None`.
+
+    Raises:
+        TypeError: `log_path`/`log_dir` is not a path, a number is not a number, `step_timing`
+            is not a bool or `verbose` is not an int.
+        ValueError: `flops_per_example` or `peak_flops` <= 0, or `verbose` not 0 or 1.
+
+    Example:
+        >>> mon = kp.TrainingMonitor(log_path="run.jsonl")
+        >>> model.fit(x, y, epochs=3, validation_split=0.2, callbacks=[mon])  # doctest: +SKIP
+        >>> mon.history[-1]["examples_per_s"]  # doctest: +SKIP
+        >>> mon.summary()["best"]  # doctest: +SKIP
+        >>> mon.plot("run.png")  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        log_path: str | os.PathLike | None = None,
+        flops_per_example: float | None = None,
+        peak_flops: float | None = None,
+        step_timing: bool = True,
+        verbose: int = 0,
+        log_dir: str | os.PathLike | None = None,
+    ) -> None:
+        super().__init__()
+        self.log_path = _check_path("log_path", log_path)
+        self.flops_per_example = check_number(
+            "flops_per_example", flops_per_example, low=0.0, low_inclusive=False, allow_none=True
+        )
+        self.peak_flops = check_number(
+            "peak_flops", peak_flops, low=0.0, low_inclusive=False, allow_none=True
+        )
+        self.step_timing = check_bool("step_timing", step_timing)
+        self.verbose = check_choice("verbose", check_int("verbose", verbose), (0, 1))
+        self.log_dir = _check_path("log_dir", log_dir)
+        # Per-batch work is a clock read and a list append, safe from Keras' worker
+        # threads; so Keras may keep dispatching batches asynchronously (JAX, PyTorch).
+        self.async_safe = True
+        self._meter = EpochMeter(step_timing=self.step_timing)
+        self._writer = ScalarWriter(self.log_dir) if self.log_dir is not None else None
+        self.reset()
+
+    # ----------------------------------------------------------------- state
+    def reset(self) -> None:
+        """Forget every recorded epoch (files already written are left alone)."""
+        self.history: list[dict] = []
+        self._fits = 0
+        self._in_epoch = False
+
+    def state_dict(self) -> dict:
+        """The monitor's state (recorded epochs and fit count), for `load_state_dict`."""
+        return {"history": [dict(r) for r in self.history], "fits": self._fits}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what `state_dict` returned, e.g. to keep numbering epochs after a restart."""
+        self.history = [dict(r) for r in state.get("history", [])]
+        self._fits = int(state.get("fits", 0))
+
+    def get_config(self) -> dict:
+        return {
+            "log_path": self.log_path,
+            "flops_per_example": self.flops_per_example,
+            "peak_flops": self.peak_flops,
+            "step_timing": self.step_timing,
+            "verbose": self.verbose,
+            "log_dir": self.log_dir,
+        }
+
+    @classmethod
+    def from_config(cls, config: dict) -> TrainingMonitor:
+        return cls(**config)
+
+    # ----------------------------------------------------------------- hooks
+    def on_train_begin(self, logs=None) -> None:
+        self._fits += 1
+        self._offset = None
+        self._warned_examples = False
+        self._accelerator = _backend.has_accelerator()
+        self._flops = self.flops_per_example
+        if self._flops is None:
+            self._flops = estimate_flops_per_example(self.model)
+        self._peak = self.peak_flops
+        if self._peak is None and self._accelerator:
+            self._peak = peak_flops_for_device()
+
+    def on_epoch_begin(self, epoch, logs=None) -> None:
+        if self._offset is None:
+            last = self.history[-1]["epoch"] if self.history else 0
+            self._offset = last - epoch if epoch + 1 <= last else 0
+        if self._accelerator:
+            _backend.reset_peak_memory()
+        else:
+            _backend.reset_host_peak_memory()
+        self._examples = None
+        self._in_epoch = True
+        self._meter.start()
+
+    def on_train_batch_begin(self, batch, logs=None) -> None:
+        self._meter.step_begin(batch)
+
+    def on_train_batch_end(self, batch, logs=None) -> None:
+        self._meter.step_end(batch)
+
+    def on_test_begin(self, logs=None) -> None:
+        if not self._in_epoch:  # an evaluate() outside fit
+            return
+        # Validation inside fit: read the examples before evaluate() resets the loss tracker.
+        # Reading it waits for the last training step, so the training part ends here at most.
+        self._examples = _backend.examples_seen(self.model)
+        self._meter.val_start()
+
+    def on_test_end(self, logs=None) -> None:
+        if self._in_epoch:
+            self._meter.val_end()
+
+    def on_epoch_end(self, epoch, logs=None) -> None:
+        if not self._in_epoch:
+            return
+        self._in_epoch = False
+        if self._meter._val_start is None:
+            self._examples = _backend.examples_seen(self.model)
+        full = (self.params or {}).get("steps")
+        figures = self._meter.finish(steps=None if self.step_timing else full, max_steps=full)
+        record = {"epoch": epoch + 1 + self._offset, "fit": self._fits}
+        record.update(_plain(logs or {}))
+        for key in MONITOR_KEYS:
+            if key not in record:
+                record[key] = None
+        record.update(figures)
+        self._add_examples(record)
+        self._add_memory(record)
+        self._add_loss_scale(record)
+        if record["examples_per_s"] and self._flops and self._peak:
+            record["mfu"] = self._flops * record["examples_per_s"] / self._peak
+        record["time"] = time.time()
+        self.history.append(record)
+        if logs is not None:
+            logs.update({k: record[k] for k in MONITOR_KEYS if record[k] is not None})
+        self._write(record)
+        if self.verbose:
+            print(_one_line(record))
+
+    # ----------------------------------------------------------- epoch parts
+    def _add_examples(self, record: dict) -> None:
+        examples = self._examples
+        if examples is None and not self._warned_examples:
+            self._warned_examples = True
+            warn(
+                "TrainingMonitor cannot count examples: the model's train_step does not update "
+                "Keras' loss tracker (`self._loss_tracker.update_state(loss, "
+                "sample_weight=batch_size)`); `examples` and `examples_per_s` are left empty."
+            )
+        record["examples"] = examples
+        if examples is not None:
+            record["examples_per_s"] = examples / record["epoch_time_s"]
+
+    def _add_memory(self, record: dict) -> None:
+        stats = _backend.memory_stats() if self._accelerator else None
+        if stats is not None:
+            record["peak_memory_bytes"] = int(stats["peak_bytes"])
+            record["memory_device"] = stats["device"]
+        else:
+            record["peak_memory_bytes"] = int(_backend.host_memory()["peak_bytes"])
+            record["memory_device"] = "host"
+
+    def _add_loss_scale(self, record: dict) -> None:
+        if record.get("loss_scale") is not None:
+            return
+        optimizer = getattr(self.model, "optimizer", None)
+        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            scale = getattr(optimizer, "dynamic_scale", None)
+            if scale is not None:
+                record["loss_scale"] = float(getattr(scale, "value", scale))
+
+    def _write(self, record: dict) -> None:
+        if self.log_path is not None:
+            folder = os.path.dirname(self.log_path)
+            if folder:
+                os.makedirs(folder, exist_ok=True)
+            line = json.dumps(_json_safe(record), allow_nan=False)
+            with open(self.log_path, "a", encoding="utf-8") as f:
+                f.write(line + "\n")
+                # Flushed to the OS when the file closes: a crash of this process (an
+                # exception, SIGKILL, OOM kill) loses nothing. No fsync: it costs 1-20 ms per
+                # epoch and only guards against the machine itself going down.
+        if self._writer is not None:
+            scalars = {
+                f"keras_perf/{k}": v
+                for k, v in record.items()
+                if k not in ("epoch", "fit", "time") and _is_number(v)
+            }
+            self._writer.write(record["epoch"], scalars)
+
+    # ----------------------------------------------------------------- results
+    def summary(self, monitor: str | None = None, mode: str = "auto") -> dict:
+        """Totals over every recorded epoch.
+
+        Args:
+            monitor: Metric whose best epoch is reported, or `None` for `val_loss` when
+                recorded, else `loss`. Defaults to `None`.
+            mode: `"min"`, `"max"`, or `"auto"` (max for accuracy-like names: acc, auc,
+                precision, recall, f1, iou, top_k; min otherwise). Defaults to `"auto"`.
+
+        Returns:
+            A dict: `epochs`, `fits`, `total_time_s` (training plus validation),
+            `train_time_s`, `val_time_s`, `steps`, `examples`, `mean_/median_examples_per_s`,
+            `mean_/median_steps_per_s`, `step_time_ms_p50` (median over epochs),
+            `peak_memory_bytes` (max), `mean_mfu`, and `best`: `{"metric", "value", "epoch"}`.
+            With no epoch recorded, `{"epochs": 0}`.
+
+        Raises:
+            ValueError: `mode` is not one of the three, or `monitor` was never logged (the
+                message lists the keys that were).
+        """
+        check_choice("mode", mode, ("auto", "min", "max"))
+        h = self.history
+        if not h:
+            return {"epochs": 0}
+        if monitor is None:
+            monitor = "val_loss" if any(_is_number(r.get("val_loss")) for r in h) else "loss"
+        values = [(r["epoch"], r.get(monitor)) for r in h if _is_number(r.get(monitor))]
+        if not values:
+            keys = sorted({k for r in h for k, v in r.items() if _is_number(v)})
+            raise ValueError(
+                f"`monitor={monitor!r}` was not recorded; the numeric keys recorded are {keys}."
+            )
+        if mode == "auto":
+            name = monitor[4:] if monitor.startswith("val_") else monitor
+            mode = "max" if any(s in name for s in _HIGHER_IS_BETTER) else "min"
+        pick = max if mode == "max" else min
+        best_epoch, best = pick(values, key=lambda ev: ev[1])
+
+        def col(key):
+            return [r[key] for r in h if _is_number(r.get(key))]
+
+        def total(key):
+            vals = col(key)
+            return sum(vals) if vals else None
+
+        def mean(key):
+            vals = col(key)
+            return statistics.fmean(vals) if vals else None
+
+        def median(key):
+            vals = col(key)
+            return statistics.median(vals) if vals else None
+
+        train, val = total("epoch_time_s") or 0.0, total("val_time_s") or 0.0
+        peaks = col("peak_memory_bytes")
+        return {
+            "epochs": len(h),
+            "fits": len({r.get("fit") for r in h}),
+            "total_time_s": train + val,
+            "train_time_s": train,
+            "val_time_s": val,
+            "steps": total("steps"),
+            "examples": total("examples"),
+            "mean_examples_per_s": mean("examples_per_s"),
+            "median_examples_per_s": median("examples_per_s"),
+            "mean_steps_per_s": mean("steps_per_s"),
+            "median_steps_per_s": median("steps_per_s"),
+            "step_time_ms_p50": median("step_time_ms_p50"),
+            "peak_memory_bytes": max(peaks) if peaks else None,
+            "mean_mfu": mean("mfu"),
+            "best": {"metric": monitor, "value": best, "epoch": best_epoch, "mode": mode},
+        }
+
+    def to_csv(self, path: str | os.PathLike) -> str:
+        """Write `history` as CSV (one row per epoch, the union of keys as columns).
+
+        Args:
+            path: File to write (overwritten).
+
+        Returns:
+            The path written, as a string.
+        """
+        path = os.fspath(path)
+        fields: list[str] = []
+        for r in self.history:
+            fields.extend(k for k in r if k not in fields)
+        with open(path, "w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, fieldnames=fields, restval="")
+            writer.writeheader()
+            for r in self.history:
+                writer.writerow({k: "" if v is None else v for k, v in r.items()})
+        return path
+
+    def plot(self, path: str | os.PathLike, metrics: list[str] | None = None) -> str:
+        """Save a PNG with three panels: loss/metrics, throughput and step time, peak memory.
+
+        Uses matplotlib's Agg canvas directly (no pyplot, no display needed).
+
+        Args:
+            path: PNG file to write (overwritten).
+            metrics: Keras log keys for the first panel, or `None` for every recorded Keras
+                metric (losses on the left axis, other metrics on the right). Defaults to `None`.
+
+        Returns:
+            The path written, as a string.
+
+        Raises:
+            RuntimeError: No epoch has been recorded yet.
+        """
+        if not self.history:
+            raise RuntimeError(
+                "TrainingMonitor.plot(): no epoch recorded yet; pass the monitor to "
+                "`model.fit(..., callbacks=[mon])` first."
+            )
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
+
+        path = os.fspath(path)
+        h = self.history
+        epochs = [r["epoch"] for r in h]
+        skip = set(MONITOR_KEYS) | {"epoch", "fit", "time", "memory_device"}
+        if metrics is None:
+            metrics = []
+            for r in h:
+                metrics.extend(k for k, v in r.items() if k not in skip and k not in metrics and _is_number(v))
+
+        def series(key):
+            return [r.get(key) if _is_number(r.get(key)) else np.nan for r in h]
+
+        fig = Figure(figsize=(7, 9), layout="constrained")
+        FigureCanvasAgg(fig)
+        ax1, ax2, ax3 = fig.subplots(3, 1, sharex=True)
+        losses = [m for m in metrics if "loss" in m]
+        others = [m for m in metrics if "loss" not in m]
+        for m in losses:
+            ax1.plot(epochs, series(m), marker="o", label=m)
+        ax1.set_ylabel("loss")
+        if others:
+            twin = ax1.twinx() if losses else ax1
+            for m in others:
+                twin.plot(epochs, series(m), marker="s", linestyle="--", label=m)
+            twin.set_ylabel("metric")
+            if twin is not ax1:
+                twin.legend(loc="center right", fontsize="small")
+        if losses or others:
+            ax1.legend(loc="upper right", fontsize="small")
+        ax1.set_title("Loss and metrics")
+
+        key = "examples_per_s" if any(_is_number(r.get("examples_per_s")) for r in h) else "steps_per_s"
+        ax2.plot(epochs, series(key), marker="o", color="tab:green", label=key)
+        ax2.set_ylabel(key.replace("_per_s", "/s"))
+        if any(_is_number(r.get("step_time_ms_p50")) for r in h):
+            twin = ax2.twinx()
+            twin.plot(epochs, series("step_time_ms_p50"), color="tab:gray", linestyle="--", label="step p50")
+            twin.plot(epochs, series("step_time_ms_p90"), color="tab:gray", linestyle=":", label="step p90")
+            twin.set_ylabel("step time (ms)")
+            twin.legend(loc="lower right", fontsize="small")
+        ax2.legend(loc="upper left", fontsize="small")
+        ax2.set_title("Throughput")
+
+        mib = [v / 2**20 if _is_number(v) else np.nan for v in series("peak_memory_bytes")]
+        where = h[-1].get("memory_device") or "memory"
+        ax3.bar(epochs, mib, color="tab:purple")
+        ax3.set_ylabel("peak MiB")
+        ax3.set_xlabel("epoch")
+        ax3.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax3.set_title(f"Peak memory per epoch ({where})")
+        fig.savefig(path, dpi=100)
+        return path
+
+
+# --------------------------------------------------------------------- helpers
+def _check_path(name: str, value):
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"`{name}` must be a file system path (str or os.PathLike) or None, got {value!r}.")
+    return os.fspath(value)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _plain(logs: dict) -> dict:
+    out = {}
+    for k, v in logs.items():
+        if isinstance(v, (np.generic, np.ndarray)) and np.size(v) == 1:
+            v = v.item()
+        out[k] = v
+    return out
+
+
+def _json_safe(record: dict) -> dict:
+    out = {}
+    for k, v in record.items():
+        if isinstance(v, float) and not math.isfinite(v):
+            v = None
+        elif isinstance(v, np.generic):
+            v = v.item()
+        elif not isinstance(v, (int, float, str, bool, type(None))):
+            v = str(v)
+        out[k] = v
+    return out
+
+
+def _one_line(r: dict) -> str:
+    parts = [f"monitor epoch {r['epoch']}: {r['epoch_time_s']:.2f} s"]
+    if r.get("examples_per_s"):
+        parts.append(f"{r['examples_per_s']:.0f} examples/s")
+    if r.get("steps_per_s"):
+        parts.append(f"{r['steps_per_s']:.1f} steps/s")
+    if r.get("step_time_ms_p50") is not None:
+        parts.append(f"step p50 {r['step_time_ms_p50']:.1f} ms p90 {r['step_time_ms_p90']:.1f} ms")
+    if r.get("peak_memory_bytes"):
+        parts.append(f"peak {r['peak_memory_bytes'] / 2**20:.0f} MiB ({r.get('memory_device')})")
+    if r.get("mfu") is not None:
+        parts.append(f"MFU {100 * r['mfu']:.1f}%")
+    return ", ".join(parts)

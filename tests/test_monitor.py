@@ -1,0 +1,409 @@
+"""TrainingMonitor and its EpochMeter: counts, timing, JSONL, summary, plot, CSV, TensorBoard."""
+
+import json
+import time
+
+import keras
+import numpy as np
+import pytest
+
+import keras_perf as kp
+from keras_perf._tensorboard import read_scalars
+from keras_perf.monitor import MONITOR_KEYS, EpochMeter
+
+BACKEND = keras.backend.backend()
+
+
+def _mlp(spe=1, optimizer="adam"):
+    model = keras.Sequential(
+        [keras.Input((64,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(10)]
+    )
+    model.compile(
+        optimizer,
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+        steps_per_execution=spe,
+    )
+    return model
+
+
+class _FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+# ---------------------------------------------------------------- arguments
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"log_path": 3}, TypeError, "log_path"),
+        ({"log_dir": 3.5}, TypeError, "log_dir"),
+        ({"flops_per_example": 0}, ValueError, "flops_per_example"),
+        ({"flops_per_example": "big"}, TypeError, "flops_per_example"),
+        ({"peak_flops": -1e12}, ValueError, "peak_flops"),
+        ({"step_timing": 1}, TypeError, "step_timing"),
+        ({"verbose": 2}, ValueError, "verbose"),
+        ({"verbose": 1.0}, TypeError, "verbose"),
+    ],
+)
+def test_bad_arguments_raise(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        kp.TrainingMonitor(**kwargs)
+
+
+def test_config_round_trip(tmp_path):
+    mon = kp.TrainingMonitor(
+        log_path=tmp_path / "a.jsonl", flops_per_example=1e6, peak_flops=2e12,
+        step_timing=False, verbose=1, log_dir=str(tmp_path / "tb"),
+    )
+    again = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(mon))
+    assert isinstance(again, kp.TrainingMonitor)
+    assert again.get_config() == mon.get_config()
+    assert again.get_config()["log_path"] == str(tmp_path / "a.jsonl")
+
+
+# ---------------------------------------------------------------- the meter
+def test_meter_step_times_and_percentiles_from_a_fake_clock():
+    clock = _FakeClock()
+    meter = EpochMeter(clock=clock)
+    meter.start()
+    for i, dt in enumerate([0.010, 0.020, 0.030, 0.040, 0.100]):
+        clock.t += dt
+        meter.step_end(i)
+    clock.t += 0.5  # sync before validation
+    meter.val_start()
+    clock.t += 0.25
+    meter.val_end()
+    out = meter.finish()
+    assert out["steps"] == 5
+    assert out["epoch_time_s"] == pytest.approx(0.2)  # last step's end, not the later sync
+    assert out["steps_per_s"] == pytest.approx(25.0)
+    assert out["val_time_s"] == pytest.approx(0.25)
+    assert out["step_time_ms_p50"] == pytest.approx(30.0)
+    assert out["step_time_ms_p90"] == pytest.approx(40 + 0.6 * 60)
+
+
+def test_meter_divides_an_execution_by_its_steps_and_caps_the_overshoot():
+    clock = _FakeClock()
+    meter = EpochMeter(clock=clock)
+    meter.start()
+    # steps_per_execution=3 over 7 batches: Keras reports ends 2, 5 and (overshooting) 8.
+    for end, dt in [(2, 0.030), (5, 0.060), (8, 0.010)]:
+        clock.t += dt
+        meter.step_end(end)
+    out = meter.finish(max_steps=7)
+    assert out["steps"] == 7
+    assert sorted([out["step_time_ms_p50"]]) == [pytest.approx(10.0)]
+    assert out["step_time_ms_p90"] == pytest.approx(18.0)  # per-step: 10, 20, 10
+
+
+def test_meter_out_of_order_worker_readings():
+    clock = _FakeClock()
+    meter = EpochMeter(clock=clock)
+    meter.start()
+    clock.t = 0.02
+    meter.step_end(1)  # a worker thread reports step 1 before step 0
+    clock.t = 0.021
+    meter.step_end(0)
+    out = meter.finish()
+    assert out["steps"] == 2
+    # Readings are matched to steps in time order: 20 ms, then 1 ms.
+    assert out["step_time_ms_p50"] == pytest.approx(10.5)
+    assert out["epoch_time_s"] == pytest.approx(0.021)
+
+
+def test_meter_device_bound_async_times_completions_not_dispatch():
+    # JAX-style: all 4 steps dispatched at once, each completes 50 ms after the previous one.
+    clock = _FakeClock()
+    meter = EpochMeter(clock=clock)
+    meter.start()
+    for i in range(4):
+        meter.step_begin(i)
+        clock.t += 0.0001
+    for i in range(4):
+        clock.t = 0.05 * (i + 1)
+        meter.step_end(i)
+    out = meter.finish()
+    assert out["step_time_ms_p50"] == pytest.approx(50.0)
+    assert out["epoch_time_s"] == pytest.approx(0.2)
+
+
+def test_meter_host_bound_async_times_dispatch_when_end_readings_bunch_up():
+    # Host-bound: steps start 10 ms apart; starved worker threads read all ends at the end.
+    clock = _FakeClock()
+    meter = EpochMeter(clock=clock)
+    meter.start()
+    for i in range(5):
+        clock.t = 0.010 * i
+        meter.step_begin(i)
+    for i in range(5):
+        clock.t = 0.0500 + 0.00001 * i
+        meter.step_end(i)
+    out = meter.finish()
+    assert out["step_time_ms_p50"] == pytest.approx(10.0, rel=1e-3)
+    assert out["epoch_time_s"] == pytest.approx(0.05, rel=1e-3)
+
+
+def test_meter_without_step_timing_uses_the_given_count():
+    clock = _FakeClock()
+    meter = EpochMeter(step_timing=False, clock=clock)
+    meter.start()
+    meter.step_end(0)
+    clock.t = 2.0
+    out = meter.finish(steps=10)
+    assert out["steps"] == 10 and out["steps_per_s"] == pytest.approx(5.0)
+    assert out["step_time_ms_p50"] is None and out["step_time_ms_p90"] is None
+
+
+# ---------------------------------------------------------------- fit: counts
+@pytest.mark.parametrize("spe", [1, 3])
+def test_counts_with_short_last_batch_validation_and_steps_per_execution(digits, spe):
+    if spe > 1 and BACKEND == "torch":
+        pytest.skip("Keras' torch backend requires steps_per_execution=1")
+    (x, y), (xv, yv) = digits
+    model = _mlp(spe)
+    mon = kp.TrainingMonitor()
+    history = model.fit(
+        x[:203], y[:203], batch_size=32, epochs=3, validation_data=(xv[:50], yv[:50]),
+        validation_freq=2, callbacks=[mon], verbose=0,
+    )
+    assert [r["epoch"] for r in mon.history] == [1, 2, 3]
+    for r in mon.history:
+        assert r["examples"] == 203  # 6 batches of 32 and one of 11
+        assert r["steps"] == 7
+        assert r["examples_per_s"] == pytest.approx(203 / r["epoch_time_s"])
+        assert r["steps_per_s"] == pytest.approx(7 / r["epoch_time_s"])
+        assert 0 < r["step_time_ms_p50"] <= r["step_time_ms_p90"]
+        assert r["peak_memory_bytes"] > 50e6
+        assert r["memory_device"] in ("host", "GPU:0") or "cuda" in r["memory_device"]
+        assert np.isfinite(r["loss"])
+    # Validation ran in epoch 2 only: timed separately there, absent elsewhere.
+    assert mon.history[1]["val_time_s"] > 0 and "val_loss" in mon.history[1]
+    assert mon.history[0]["val_time_s"] is None and mon.history[2]["val_time_s"] is None
+    # The figures reach Keras' logs, hence History.
+    assert history.history["examples"] == [203, 203, 203]
+    assert history.history["steps_per_s"] == [r["steps_per_s"] for r in mon.history]
+
+
+def test_step_timing_off_still_counts(digits):
+    (x, y), _ = digits
+    mon = kp.TrainingMonitor(step_timing=False)
+    _mlp().fit(x[:100], y[:100], batch_size=25, epochs=1, callbacks=[mon], verbose=0)
+    r = mon.history[0]
+    assert (r["steps"], r["examples"]) == (4, 100)
+    assert r["step_time_ms_p50"] is None and r["step_time_ms_p90"] is None
+
+
+class _Sleep(keras.layers.Layer):
+    """Identity that sleeps `seconds` inside each (compiled) forward pass."""
+
+    def __init__(self, seconds, **kwargs):
+        super().__init__(**kwargs)
+        self.seconds = seconds
+
+    def call(self, x):
+        seconds = self.seconds
+        if BACKEND == "tensorflow":
+            import tensorflow as tf
+
+            s = tf.py_function(lambda: (time.sleep(seconds), np.float32(0.0))[1], [], tf.float32)
+            s.set_shape(())
+            return x + s
+        if BACKEND == "jax":
+            import jax
+
+            jax.debug.callback(lambda: time.sleep(seconds))
+            return x
+        time.sleep(seconds)
+        return x
+
+
+def test_steps_per_s_matches_a_step_of_known_duration():
+    # Long enough that Keras' own costs (per step ~1-15 ms; per epoch, e.g. a new tf.data
+    # iterator, up to ~200 ms on a loaded 2-core machine) stay inside the 20 %.
+    seconds, steps = 0.1, 12
+    model = keras.Sequential([keras.Input((4,)), _Sleep(seconds), keras.layers.Dense(1)])
+    model.compile("sgd", "mse", jit_compile=False if BACKEND == "tensorflow" else "auto")
+    x, y = np.ones((steps * 4, 4), "float32"), np.ones((steps * 4, 1), "float32")
+    mon = kp.TrainingMonitor()
+    model.fit(x, y, batch_size=4, epochs=2, callbacks=[mon], verbose=0)
+    r = mon.history[1]  # epoch 2: no tracing
+    assert r["steps"] == steps
+    assert r["steps_per_s"] == pytest.approx(1 / seconds, rel=0.2)
+    assert r["step_time_ms_p50"] == pytest.approx(1000 * seconds, rel=0.2)
+    assert r["steps_per_s"] == pytest.approx(steps / r["epoch_time_s"])
+
+
+# ---------------------------------------------------------------- JSONL, reuse
+class _CrashInEpoch(keras.callbacks.Callback):
+    def __init__(self, epoch):
+        super().__init__()
+        self.crash_epoch = epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.epoch == self.crash_epoch and batch == 1:
+            raise RuntimeError("simulated crash")
+
+
+def test_jsonl_lines_survive_a_crash_in_epoch_3(tmp_path, digits):
+    (x, y), _ = digits
+    path = tmp_path / "logs" / "run.jsonl"  # the folder does not exist yet
+    mon = kp.TrainingMonitor(log_path=path)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        _mlp().fit(x[:96], y[:96], batch_size=32, epochs=5, verbose=0,
+                   callbacks=[mon, _CrashInEpoch(2)])
+    lines = path.read_text().splitlines()
+    assert len(lines) == 2
+    records = [json.loads(line) for line in lines]
+    assert [r["epoch"] for r in records] == [1, 2]
+    for r in records:
+        assert r["examples"] == 96 and r["steps"] == 3
+        assert set(MONITOR_KEYS) <= set(r)
+        assert r["loss"] > 0
+
+
+def test_reuse_continues_numbering_and_appends(tmp_path, digits):
+    (x, y), _ = digits
+    path = tmp_path / "run.jsonl"
+    mon = kp.TrainingMonitor(log_path=path)
+    model = _mlp()
+    model.fit(x[:64], y[:64], batch_size=32, epochs=2, callbacks=[mon], verbose=0)
+    model.fit(x[:64], y[:64], batch_size=32, epochs=1, callbacks=[mon], verbose=0)
+    assert [(r["epoch"], r["fit"]) for r in mon.history] == [(1, 1), (2, 1), (3, 2)]
+    # A resumed fit numbers its epochs as Keras does.
+    model.fit(x[:64], y[:64], batch_size=32, epochs=5, initial_epoch=3, callbacks=[mon], verbose=0)
+    assert [r["epoch"] for r in mon.history] == [1, 2, 3, 4, 5]
+    assert [json.loads(s)["epoch"] for s in path.read_text().splitlines()] == [1, 2, 3, 4, 5]
+    state = mon.state_dict()
+    fresh = kp.TrainingMonitor()
+    fresh.load_state_dict(state)
+    assert fresh.history == mon.history and fresh.state_dict()["fits"] == 3
+    mon.reset()
+    assert mon.history == [] and mon.summary() == {"epochs": 0}
+
+
+# ---------------------------------------------------------------- summary, plot, csv
+def _monitor_with_made_up_history():
+    mon = kp.TrainingMonitor()
+    for epoch, (loss, acc, val_loss, eps, mem) in enumerate(
+        [(1.0, 0.5, 1.1, 100.0, 3e8), (0.5, 0.8, 0.7, 300.0, 5e8), (0.4, 0.85, 0.9, 200.0, 4e8)],
+        start=1,
+    ):
+        mon.history.append({
+            "epoch": epoch, "fit": 1, "loss": loss, "accuracy": acc, "val_loss": val_loss,
+            "epoch_time_s": 2.0, "val_time_s": 0.5, "steps": 10, "examples": 320,
+            "steps_per_s": 5.0, "examples_per_s": eps, "step_time_ms_p50": 190.0,
+            "step_time_ms_p90": 250.0, "peak_memory_bytes": mem, "loss_scale": None,
+            "mfu": None, "memory_device": "host",
+        })
+    return mon
+
+
+def test_summary_numbers():
+    s = _monitor_with_made_up_history().summary()
+    assert s["epochs"] == 3 and s["fits"] == 1
+    assert s["total_time_s"] == pytest.approx(7.5) and s["train_time_s"] == pytest.approx(6.0)
+    assert s["examples"] == 960 and s["steps"] == 30
+    assert s["mean_examples_per_s"] == pytest.approx(200.0)
+    assert s["median_examples_per_s"] == pytest.approx(200.0)
+    assert s["peak_memory_bytes"] == 5e8
+    assert s["mean_mfu"] is None
+    assert s["best"] == {"metric": "val_loss", "value": 0.7, "epoch": 2, "mode": "min"}
+
+
+def test_summary_best_by_monitor_and_mode():
+    mon = _monitor_with_made_up_history()
+    assert mon.summary("accuracy")["best"]["epoch"] == 3  # auto: max for accuracy
+    assert mon.summary("loss")["best"]["epoch"] == 3
+    assert mon.summary("val_loss", mode="max")["best"]["epoch"] == 1
+    with pytest.raises(ValueError, match="numeric keys recorded are .*'accuracy'"):
+        mon.summary("val_auc")
+    with pytest.raises(ValueError, match="mode"):
+        mon.summary(mode="best")
+
+
+def test_plot_writes_a_png_that_opens(tmp_path):
+    from PIL import Image
+
+    path = _monitor_with_made_up_history().plot(tmp_path / "run.png")
+    with Image.open(path) as img:
+        assert img.format == "PNG"
+        assert img.size == (700, 900)
+        pixels = np.asarray(img.convert("L"))
+    assert (tmp_path / "run.png").stat().st_size > 20_000
+    assert pixels.std() > 10  # not a blank canvas
+
+
+def test_plot_without_history_raises(tmp_path):
+    with pytest.raises(RuntimeError, match="no epoch recorded"):
+        kp.TrainingMonitor().plot(tmp_path / "x.png")
+
+
+def test_to_csv_round_trip(tmp_path):
+    import csv
+
+    mon = _monitor_with_made_up_history()
+    path = mon.to_csv(tmp_path / "run.csv")
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 3
+    assert [float(r["examples_per_s"]) for r in rows] == [100.0, 300.0, 200.0]
+    assert rows[0]["mfu"] == ""
+
+
+# ---------------------------------------------------------------- extras
+def test_mfu_loss_scale_and_tensorboard(tmp_path, digits):
+    (x, y), _ = digits
+    model = _mlp(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam()))
+    mon = kp.TrainingMonitor(peak_flops=1e12, log_dir=tmp_path / "tb")
+    model.fit(x[:64], y[:64], batch_size=32, epochs=2, callbacks=[mon], verbose=0)
+    flops = 6 * (64 * 16 + 16 * 10)
+    assert kp.estimate_flops_per_example(model) == flops
+    for r in mon.history:
+        assert r["mfu"] == pytest.approx(flops * r["examples_per_s"] / 1e12)
+        assert r["loss_scale"] > 0
+    events = list((tmp_path / "tb").glob("events.out.tfevents.*"))
+    assert len(events) == 1
+    scalars = read_scalars(events[0])
+    eps = [(step, v) for step, tag, v in scalars if tag == "keras_perf/examples_per_s"]
+    assert [s for s, _ in eps] == [1, 2]
+    assert eps[1][1] == pytest.approx(mon.history[1]["examples_per_s"], rel=1e-6)
+
+
+@pytest.mark.backends("tensorflow")
+def test_tensorboard_file_reads_back_with_tensorflow(tmp_path):
+    import tensorflow as tf
+    from tensorflow.core.util import event_pb2
+
+    from keras_perf._tensorboard import ScalarWriter
+
+    writer = ScalarWriter(tmp_path)
+    writer.write(3, {"a/b": 1.5, "skipped": float("nan"), "n": 7})
+    events = [event_pb2.Event.FromString(r.numpy()) for r in tf.data.TFRecordDataset(writer.path)]
+    assert events[0].file_version == "brain.Event:2"
+    assert events[1].step == 3
+    assert {v.tag: v.simple_value for v in events[1].summary.value} == {"a/b": 1.5, "n": 7.0}
+
+
+def test_hooks_warn_when_examples_cannot_be_counted(capsys):
+    model = _mlp()  # compiled, never trained: its loss tracker counted nothing
+    mon = kp.TrainingMonitor(verbose=1)
+    mon.set_model(model)
+    mon.set_params({"epochs": 1, "steps": 2, "verbose": 0})
+    mon.on_train_begin()
+    mon.on_epoch_begin(0)
+    mon.on_train_batch_end(0)
+    mon.on_train_batch_end(1)
+    logs = {"loss": 1.25}
+    with pytest.warns(kp.KerasPerfWarning, match="cannot count examples"):
+        mon.on_epoch_end(0, logs)
+    r = mon.history[0]
+    assert r["examples"] is None and r["examples_per_s"] is None and r["steps"] == 2
+    assert logs["steps"] == 2 and "examples" not in logs  # unknown values stay out of logs
+    assert "monitor epoch 1:" in capsys.readouterr().out

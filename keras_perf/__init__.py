@@ -13,6 +13,7 @@ from keras_perf.export import compression_report, export_tflite, tflite_predict
 from keras_perf.flops import estimate_flops_per_example, peak_flops_for_device
 from keras_perf.mixed_precision import check_mixed_precision, setup_mixed_precision
 from keras_perf.monitor import TrainingMonitor
+from keras_perf.oom import find_max_microbatch, fit_with_oom_retry
 from keras_perf.pruning import (
     ConstantSparsity,
     PolynomialDecay,
@@ -46,6 +47,8 @@ __all__ = [
     "device_report",
     "estimate_flops_per_example",
     "export_tflite",
+    "find_max_microbatch",
+    "fit_with_oom_retry",
     "loss_scaled",
     "peak_flops_for_device",
     "precompute_teacher_logits",

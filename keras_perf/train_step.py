@@ -199,7 +199,8 @@ class LossScaleTrainStep(_backend.TrainStepBase):
         # One pass over the gradients: a dot product per tensor (no squared temporary). A NaN
         # or inf anywhere makes the sum non-finite; only then is each tensor checked, to tell
         # a real non-finite gradient from a finite one whose squared norm overflows float32.
-        flat = [ops.reshape(ops.cast(g, "float32"), (-1,)) for g in present]  # vdot: 1-D on torch
+        # Flattened: torch's vdot takes only 1-D tensors (reshape is a view, no copy).
+        flat = [ops.reshape(ops.cast(g, "float32"), (-1,)) for g in present]
         sum_sq = ops.sum(ops.stack([ops.vdot(g, g) for g in flat]))
         finite = ops.cond(
             ops.isfinite(sum_sq),
@@ -316,7 +317,9 @@ def loss_scaled(
             "(`keras.Input(shape)` as first layer) or call it on data before kp.loss_scaled()."
         )
     new = LossScaledModel(
-        inputs=inputs,
+        # A single input as a tensor, not a one-element list: Keras warns when the structure
+        # of the data (one array) differs from that of the inputs.
+        inputs=inputs[0] if len(inputs) == 1 else inputs,
         outputs=outputs,
         name=model.name,
         initial_scale=initial_scale,

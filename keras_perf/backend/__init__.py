@@ -15,6 +15,9 @@ Interface (every implementation module provides these names):
 - ``configure_devices(memory_growth, memory_limit_mb) -> list[str]``: apply what the backend
   supports; returns human-readable notes on what was done.
 - ``clear_memory() -> None``: release cached accelerator memory (after an OOM).
+- ``oom_error(message) -> BaseException``: an instance of the backend's own out-of-memory
+  error (TF ``ResourceExhaustedError``, XLA ``JaxRuntimeError`` with status
+  ``RESOURCE_EXHAUSTED``, ``torch.OutOfMemoryError``), for injecting OOM in tests on CPU.
 
 Beside each, ``train_step_<backend>.py`` holds that backend's ``TrainStep`` mixin, exported
 here as ``TrainStepBase``.
@@ -40,6 +43,7 @@ if BACKEND not in _MODULES:
 _impl = importlib.import_module(f"{__name__}.{_MODULES[BACKEND]}")
 
 is_oom_error = _impl.is_oom_error
+oom_error = _impl.oom_error
 memory_stats = _impl.memory_stats
 reset_peak_memory = _impl.reset_peak_memory
 list_devices = _impl.list_devices

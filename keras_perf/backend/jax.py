@@ -16,6 +16,16 @@ def is_oom_error(exc: BaseException) -> bool:
     return False
 
 
+def oom_error(message: str) -> BaseException:
+    # What XLA raises: the runtime error class with the status code leading the message.
+    error_type = getattr(jax.errors, "JaxRuntimeError", None)
+    if error_type is None:  # jax < 0.4.36 exposes it only under jaxlib's name
+        from jax.lib import xla_client
+
+        error_type = xla_client.XlaRuntimeError
+    return error_type(f"RESOURCE_EXHAUSTED: {message}")
+
+
 def _accelerators():
     return [d for d in jax.devices() if d.platform != "cpu"]
 

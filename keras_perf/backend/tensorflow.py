@@ -15,6 +15,10 @@ def is_oom_error(exc: BaseException) -> bool:
     return False
 
 
+def oom_error(message: str) -> BaseException:
+    return tf.errors.ResourceExhaustedError(None, None, message)
+
+
 def _gpus():
     return tf.config.list_physical_devices("GPU")
 

@@ -13,6 +13,11 @@ def is_oom_error(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
 
 
+def oom_error(message: str) -> BaseException:
+    oom_type = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", None)
+    return oom_type(f"CUDA out of memory. {message}") if oom_type else RuntimeError(f"out of memory: {message}")
+
+
 def memory_stats():
     if not torch.cuda.is_available():
         return None

@@ -1,0 +1,346 @@
+"""kp.fit_with_oom_retry / kp.find_max_microbatch with out-of-memory injected on CPU.
+
+CPU training never runs out of memory, so `OOMAbove` raises the backend's own OOM exception
+(`kp.backend.oom_error`: TF `ResourceExhaustedError`, XLA `JaxRuntimeError` with status
+RESOURCE_EXHAUSTED, `torch.OutOfMemoryError`) when a training call sees more examples than a
+threshold, as an allocator would. The check is Python code in `call`, so on TensorFlow the
+models are compiled with `run_eagerly=True` (Keras runs the same train step without
+tf.function, whose traced batch size is unknown); torch is eager anyway. On JAX the layer
+raises while jax.jit traces the step, where slice sizes are static. A Python exception raised
+from a host callback (tf.py_function, jax io_callback) reaches the caller re-wrapped as a
+different error (UnknownError / INTERNAL), so that route would not test the real exception
+types. One JAX test uses it anyway, for a failure inside the running compiled step at a chosen
+step, after XLA donated the state buffers (XLA reports INTERNAL with the callback's
+RESOURCE_EXHAUSTED text inside, which the shim's text check accepts).
+"""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_perf as kp
+
+BACKEND = keras.backend.backend()
+SCE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+# run_eagerly on TF, where the traced batch size is unknown; on JAX size-only injection runs
+# compiled (the layer raises while jax.jit traces the step); torch is eager anyway.
+EAGER = BACKEND == "tensorflow"
+
+
+class OOMAbove(keras.layers.Layer):
+    """Identity layer that raises the backend's OOM error on a training call above `threshold`.
+
+    Only calls with a static batch size count (eager steps; jax.jit traces). The n-th such
+    call (0-based) raises if `n >= from_call` and at most `max_raises` times; `error` replaces
+    the OOM error by another exception (to check that it propagates).
+    """
+
+    def __init__(self, threshold=None, from_call=0, max_raises=None, error=None, **kwargs):
+        super().__init__(**kwargs)
+        self.threshold, self.from_call, self.max_raises, self.error = threshold, from_call, max_raises, error
+        self.calls, self.raised, self.sizes = 0, [], []
+
+    def call(self, x, training=False):
+        n = x.shape[0]
+        if training and isinstance(n, int) and self.threshold is not None:
+            index, self.calls = self.calls, self.calls + 1
+            self.sizes.append(n)
+            armed = self.max_raises is None or len(self.raised) < self.max_raises
+            if n > self.threshold and index >= self.from_call and armed:
+                exc = self.error or kp.backend.oom_error(
+                    f"Out of memory while trying to allocate {n * 1000} bytes (injected, batch {n})."
+                )
+                self.raised.append(exc)
+                raise exc
+        return x
+
+
+def _model(seed=0, **oom):
+    keras.utils.set_random_seed(seed)
+    layer = OOMAbove(**oom)
+    model = keras.Sequential(
+        [keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), layer, keras.layers.Dense(3)]
+    )
+    return model, layer
+
+
+def _compile(model, eager=EAGER):
+    model.compile(keras.optimizers.Adam(0.01), SCE, run_eagerly=eager)
+    return model
+
+
+def _data(n=64, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, 6)).astype("float32"), rng.integers(0, 3, n)
+
+
+def _max_diff(a, b):
+    return max(float(np.max(np.abs(u - v))) for u, v in zip(a.get_weights(), b.get_weights()))
+
+
+class Recorder(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.train_begin, self.train_end, self.epochs_ended = 0, 0, []
+
+    def on_train_begin(self, logs=None):
+        self.train_begin += 1
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epochs_ended.append(epoch)
+
+    def on_train_end(self, logs=None):
+        self.train_end += 1
+
+
+# Eager on TF; torch is eager anyway. On JAX, eager micro-batched steps are slow (lax.scan
+# compiles at each eager step), so JAX's mid-epoch case is the compiled host-callback test
+# at the end of this file (test_jax_failure_inside_compiled_step_with_donated_buffers).
+@pytest.mark.backends("tensorflow", "torch")
+@pytest.mark.parametrize("kind", ["stock", "mixin"])
+def test_mid_epoch_oom_recovers_exactly(kind):
+    # 48 examples, batch 16: 3 steps per epoch. The 6th step (epoch 1, step 2) runs out of
+    # memory after two Adam updates of epoch 1 were applied: they must be rolled back. The
+    # last epoch fails, so that few eager micro-batched steps run (slow on JAX).
+    x, y = _data(n=48)
+    model, layer = _model(threshold=8, from_call=5)
+    if kind == "mixin":
+        model = kp.loss_scaled(model)
+    _compile(model, eager=True)
+    rec = Recorder()
+    early = keras.callbacks.EarlyStopping(monitor="loss", patience=5)
+    h = kp.fit_with_oom_retry(
+        model, x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, callbacks=[rec, early]
+    )
+
+    # Reference: epoch 0 in batches of 16, epoch 1 with the surviving 2 x 8 from its start.
+    ref, _ = _model()
+    _compile(ref, eager=False)
+    h0 = ref.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    twin = kp.loss_scaled(ref, microbatches=2)
+    h1 = twin.fit(x, y, batch_size=16, epochs=2, initial_epoch=1, shuffle=False, verbose=0)
+
+    assert _max_diff(model, ref) < 1e-5
+    np.testing.assert_allclose(h.history["loss"], h0.history["loss"] + h1.history["loss"], rtol=1e-5)
+    assert h.epoch == [0, 1]
+    assert len(layer.raised) == 1
+    assert [(e["epoch"], e["batch_size"], e["microbatches"]) for e in h.oom_events] == [(1, 16, 1)]
+    assert type(layer.raised[0]).__name__ in h.oom_events[0]["error"]
+    assert "batch 16" in h.oom_events[0]["error"]
+    assert int(ref.optimizer.iterations) == int(h.model.optimizer.iterations) == 6
+    assert (rec.train_begin, rec.train_end, rec.epochs_ended) == (1, 1, [0, 1])
+    assert h.model.microbatches == 2
+    if kind == "mixin":
+        assert h.model is model
+    else:
+        assert not isinstance(model, kp.LossScaleTrainStep)  # the user's model is unchanged
+        assert h.model.layers[-1] is model.layers[-1]  # ... and shares its layers with the twin
+
+
+def test_no_oom_equals_plain_fit():
+    x, y = _data(n=40)
+    model, _ = _model(threshold=1000)
+    _compile(model, eager=False)
+    h = kp.fit_with_oom_retry(model, x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    ref, _ = _model()
+    _compile(ref, eager=False)
+    h_ref = ref.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    assert _max_diff(model, ref) == 0.0
+    assert h.history["loss"] == h_ref.history["loss"]
+    assert h.oom_events == [] and h.model is model
+
+
+def test_repeated_ooms_double_until_it_fits_and_validation_runs_once_per_epoch():
+    x, y = _data(n=32)
+    model, layer = _model(threshold=4)  # 16 -> 8 -> 4 fits
+    _compile(model)
+    h = kp.fit_with_oom_retry(
+        model, x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, validation_data=(x[:8], y[:8])
+    )
+    assert [e["microbatches"] for e in h.oom_events] == [1, 2]
+    assert {e["epoch"] for e in h.oom_events} == {0}
+    assert len(h.history["val_loss"]) == 2 and len(h.history["loss"]) == 2
+    assert h.model.microbatches == 4 and max(layer.sizes[len(layer.raised):]) <= 4
+
+
+@pytest.mark.backends("jax", "torch")
+def test_compiled_step_oom_recovers():
+    # Compiled: on JAX the layer raises while jax.jit traces the step (static slice size),
+    # i.e. from the same train-function call a real XLA allocation failure comes from.
+    x, y = _data(n=32)
+    model, _ = _model(threshold=8)
+    _compile(model, eager=False)
+    h = kp.fit_with_oom_retry(model, x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    ref = kp.loss_scaled(_model()[0], microbatches=2)
+    _compile(ref, eager=False)
+    ref.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    assert [(e["epoch"], e["microbatches"]) for e in h.oom_events] == [(0, 1)]
+    assert _max_diff(model, ref) < 1e-5
+
+
+def test_gives_up_below_min_batch_size():
+    x, y = _data(n=16)
+    model, _ = _model(threshold=0)  # nothing fits
+    _compile(model)
+    with pytest.raises(RuntimeError, match=r"min_batch_size=4.*Tried: epoch 0: batch 16 in 1") as info:
+        kp.fit_with_oom_retry(model, x, y, batch_size=16, min_batch_size=4, verbose=0)
+    assert "micro-batch(es) of 4" in str(info.value)  # 16, 8, 4 tried; 2 would be below 4
+    assert kp.backend.is_oom(info.value)  # the last OOM error is its cause
+
+
+def test_gives_up_after_max_retries():
+    x, y = _data(n=16)
+    model, layer = _model(threshold=0)
+    _compile(model)
+    with pytest.raises(RuntimeError, match=r"max_retries=1 recoveries were used up"):
+        kp.fit_with_oom_retry(model, x, y, batch_size=16, max_retries=1, verbose=0)
+    assert len(layer.raised) == 2
+
+
+def test_non_oom_exception_propagates_unchanged():
+    x, y = _data(n=16)
+    boom = ValueError("boom: not a memory problem")
+    model, _ = _model(threshold=0, error=boom)
+    _compile(model)
+    with pytest.raises(ValueError, match="boom") as info:
+        kp.fit_with_oom_retry(model, x, y, batch_size=16, verbose=0)
+    plain, _ = _model(threshold=0, error=boom)
+    _compile(plain)
+    with pytest.raises(ValueError) as plain_info:
+        plain.fit(x, y, batch_size=16, verbose=0)
+    # The same exception plain fit raises (Keras adds the layer's name to the text), no retry.
+    assert type(info.value) is type(plain_info.value) and str(info.value) == str(plain_info.value)
+    assert model.layers[1].calls == 1
+
+
+def test_subclassed_stock_model_says_how_to_fix():
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.oom = OOMAbove(threshold=0)
+            self.out = keras.layers.Dense(3)
+
+        def call(self, x, training=False):
+            return self.out(self.oom(x, training=training))
+
+    x, y = _data(n=16)
+    model = _compile(Net())
+    with pytest.raises(RuntimeError, match=r"kp.LossScaleTrainStep, keras.Model"):
+        kp.fit_with_oom_retry(model, x, y, batch_size=16, verbose=0)
+
+
+@pytest.mark.backends("tensorflow")
+def test_tf_data_input_recovers_by_micro_batching():
+    import tensorflow as tf
+
+    x, y = _data(n=48)
+    ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(16, drop_remainder=True)
+    model, _ = _model(threshold=8, from_call=4)  # epoch 1, step 1
+    _compile(model, eager=True)
+    h = kp.fit_with_oom_retry(model, ds, epochs=2, verbose=0)
+    ref, _ = _model()
+    _compile(ref, eager=False)
+    ref.fit(ds, epochs=1, verbose=0)
+    kp.loss_scaled(ref, microbatches=2).fit(ds, epochs=2, initial_epoch=1, verbose=0)
+    assert [(e["epoch"], e["batch_size"], e["microbatches"]) for e in h.oom_events] == [(1, 16, 1)]
+    assert _max_diff(model, ref) < 1e-5 and h.epoch == [0, 1]
+
+
+def test_find_max_microbatch_probes_and_restores():
+    x, y = _data(n=32)
+    model, layer = _model(threshold=5)
+    _compile(model)
+    model.fit(x, y, batch_size=4, epochs=1, verbose=0)  # optimizer built, state non-trivial
+    before = [w.copy() for w in model.get_weights()]
+    iterations = int(model.optimizer.iterations)
+    assert kp.find_max_microbatch(model, x, y, batch_size=16) == 4
+    assert len(layer.raised) == 2  # 16 and 8 failed
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+    assert int(model.optimizer.iterations) == iterations
+
+
+def test_find_max_microbatch_gives_up():
+    x, y = _data(n=4)
+    model, _ = _model(threshold=0)
+    _compile(model)
+    with pytest.raises(RuntimeError, match="even micro-batches of one example"):
+        kp.find_max_microbatch(model, x, y, batch_size=4)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"batch_size": 0}, ValueError, "`batch_size` must be an integer >= 1"),
+        ({"batch_size": 2.5}, TypeError, "`batch_size` must be an integer"),
+        ({"epochs": 0}, ValueError, "`epochs` must be an integer >= 1"),
+        ({"min_batch_size": 0}, ValueError, "`min_batch_size` must be an integer >= 1"),
+        ({"max_retries": -1}, ValueError, "`max_retries` must be an integer >= 0"),
+        ({"initial_epoch": -1}, ValueError, "`initial_epoch` must be an integer >= 0"),
+        ({"callbacks": keras.callbacks.CallbackList([])}, TypeError, "list of callbacks"),
+    ],
+)
+def test_bad_arguments(kwargs, error, match):
+    model, _ = _model()
+    _compile(model)
+    with pytest.raises(error, match=match):
+        kp.fit_with_oom_retry(model, np.zeros((4, 6)), np.zeros(4), **kwargs)
+
+
+def test_model_checks():
+    with pytest.raises(TypeError, match="must be a keras.Model"):
+        kp.fit_with_oom_retry("model", np.zeros((4, 6)))
+    model, _ = _model()
+    with pytest.raises(ValueError, match="is not compiled"):
+        kp.fit_with_oom_retry(model, np.zeros((4, 6)), np.zeros(4))
+    with pytest.raises(ValueError, match="is not compiled"):
+        kp.find_max_microbatch(model, np.zeros((4, 6)), np.zeros(4))
+    with pytest.raises(ValueError, match="`batch_size` must be an integer >= 1"):
+        kp.find_max_microbatch(model, np.zeros((4, 6)), np.zeros(4), batch_size=0)
+
+
+@pytest.mark.parametrize("message", ["boom", "RESOURCE_EXHAUSTED: x", "out of memory"])
+def test_oom_error_is_recognised(message):
+    assert kp.backend.is_oom(kp.backend.oom_error(message))
+    assert not kp.backend.is_oom(ValueError(message))
+    assert not kp.backend.is_oom(RuntimeError("boom"))
+
+
+@pytest.mark.backends("jax")
+def test_jax_failure_inside_compiled_step_with_donated_buffers():
+    # A failure while the jitted step runs (its input buffers are donated), mid-epoch. The OOM
+    # is raised from a host callback, which XLA reports as INTERNAL with the callback's
+    # RESOURCE_EXHAUSTED text inside: the runtime path of a real failure, not its exact status.
+    import jax
+
+    class HostOOM(keras.layers.Layer):
+        def __init__(self, fail_at):
+            super().__init__()
+            self.fail_at, self.count = fail_at, 0
+
+        def _check(self):
+            self.count += 1
+            if self.count == self.fail_at:
+                raise kp.backend.oom_error("Out of memory while trying to allocate 1.0GiB (injected).")
+            return np.float32(0.0)
+
+        def call(self, x, training=False):
+            if not training or x.shape[0] is None or x.shape[0] <= 8:
+                return x
+            z = jax.experimental.io_callback(self._check, jax.ShapeDtypeStruct((), "float32"), ordered=True)
+            return x + z
+
+    def build(fail_at):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), HostOOM(fail_at), keras.layers.Dense(3)]
+        )
+        return _compile(model, eager=False)
+
+    x, y = _data(n=48)
+    model = build(fail_at=5)  # epoch 1, step 1
+    h = kp.fit_with_oom_retry(model, x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    ref = build(fail_at=0)
+    ref.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    kp.loss_scaled(ref, microbatches=2).fit(x, y, batch_size=16, epochs=2, initial_epoch=1, shuffle=False, verbose=0)
+    assert [(e["epoch"], e["microbatches"]) for e in h.oom_events] == [(1, 1)]
+    assert _max_diff(model, ref) < 1e-5 and h.epoch == [0, 1]

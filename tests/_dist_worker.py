@@ -259,6 +259,7 @@ def tf_mwms():
         "pruning": pruning_case(strategy.scope),
         "stopping": stopping_case(strategy.scope, slow_worker=task == 1),
         "monitor": monitor_case(strategy.scope),
+        "distill": distill_case(strategy.scope),
     }
 
 

@@ -48,9 +48,10 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
     assert names == ["teacher", "student alone", "distilled", "pruned 80%", "TFLite dynamic", "TFLite int8"]
     for r in report["rows"]:
         assert set(r) == REPORT_ROW_KEYS
-        assert 0.3 <= r["accuracy"] <= 1.0, r      # one epoch on digits: far above chance (0.1)
+        assert 0.15 <= r["accuracy"] <= 1.0, r     # one epoch (17 steps): above chance (0.1)
         assert r["params"] > 0 and 0 < r["nonzero"] <= r["params"]
     rows = {r["model"]: r for r in report["rows"]}
+    assert rows["teacher"]["accuracy"] >= 0.6      # the wide teacher learns fast
     assert rows["teacher"]["params"] > 10 * rows["distilled"]["params"]
     # 80 % of the kernels are zero after pruning; biases are not pruned.
     assert rows["pruned 80%"]["nonzero"] < 0.3 * rows["pruned 80%"]["params"]

@@ -199,3 +199,10 @@ def test_mirrored_distillation_matches_one_device(mirrored):
 def test_jax_data_parallel_distillation_matches_one_device(jax_dp):
     assert jax_dp["distill"]["student"] < 1e-5
     assert jax_dp["distill"]["teacher_unchanged"] == 0.0
+
+
+@pytest.mark.backends("tensorflow")
+def test_multi_worker_distillation_matches_one_device(mwms):
+    for r in mwms:
+        assert r["distill"]["student"] < 1e-5
+        assert r["distill"]["teacher_unchanged"] == 0.0

@@ -9,7 +9,7 @@ is the label-free case.
 
     KERAS_BACKEND=jax python benchmarks/study_distillation.py --json study.json [--quick]
 
-Prints a markdown table (mean ± std over seeds of test accuracy, %) for docs/bench_distillation.md.
+Prints a markdown table (mean ± std over seeds of test accuracy, %) for docs/BENCHMARKS.md (distillation section).
 """
 
 from __future__ import annotations

@@ -78,6 +78,19 @@ def row(claim: str, result: dict, target: str, backend: str | None = None, note:
     }
 
 
+def digits():
+    """scikit-learn's bundled digits scaled to [0, 1], split 1437/360 in a fixed order."""
+    import numpy as np
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    x = (data.images.reshape(len(data.images), -1) / 16.0).astype("float32")
+    y = data.target.astype("int32")
+    idx = np.random.default_rng(0).permutation(len(x))
+    x, y = x[idx], y[idx]
+    return (x[:1437], y[:1437]), (x[1437:], y[1437:])
+
+
 def machine() -> str:
     return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {platform.platform(terse=True)}"
 

@@ -29,22 +29,13 @@ sys.path.insert(1, os.path.dirname(HERE))  # this checkout's keras_perf
 
 import _harness  # noqa: E402
 import keras  # noqa: E402
-import numpy as np  # noqa: E402
 
 import keras_perf as kp  # noqa: E402
 
 NEVER = 10**9  # patience / seconds large enough never to stop the run
 
 
-def digits():
-    from sklearn.datasets import load_digits
-
-    data = load_digits()
-    x = (data.images.reshape(len(data.images), -1) / 16.0).astype("float32")
-    y = data.target.astype("int32")
-    idx = np.random.default_rng(0).permutation(len(x))
-    x, y = x[idx], y[idx]
-    return (x[:1437], y[:1437]), (x[1437:], y[1437:])
+digits = _harness.digits
 
 
 def model() -> keras.Model:

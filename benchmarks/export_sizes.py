@@ -17,24 +17,19 @@ import argparse
 import gzip
 import json
 import os
+import sys
 import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import _harness  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-from sklearn.datasets import load_digits  # noqa: E402
 
 import keras_perf as kp  # noqa: E402
 
-
-def digits():
-    data = load_digits()
-    x = (data.images.reshape(len(data.images), -1) / 16.0).astype("float32")
-    y = data.target.astype("int32")
-    idx = np.random.default_rng(0).permutation(len(x))
-    x, y = x[idx], y[idx]
-    return (x[:1437], y[:1437]), (x[1437:], y[1437:])
+digits = _harness.digits
 
 
 def main() -> None:

@@ -18,10 +18,13 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import _harness  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -35,15 +38,7 @@ BATCH = 128
 LR = 2e-3
 
 
-def digits():
-    from sklearn.datasets import load_digits
-
-    data = load_digits()
-    x = (data.images.reshape(len(data.images), -1) / 16.0).astype("float32")
-    y = data.target.astype("int32")
-    idx = np.random.default_rng(0).permutation(len(x))
-    x, y = x[idx], y[idx]
-    return (x[:1437], y[:1437]), (x[1437:], y[1437:])
+digits = _harness.digits
 
 
 def mlp(widths, name):

@@ -52,12 +52,17 @@ def abba(baseline: Callable[[], object], candidate: Callable[[], object], repeat
         a2 = timed(baseline)
         wall.append((b1[0] + b2[0]) / (a1[0] + a2[0]))
         cpu.append((b1[1] + b2[1]) / max(a1[1] + a2[1], 1e-9))
+    return summarize(wall, cpu)
+
+
+def summarize(wall: list[float], cpu: list[float]) -> dict:
+    """Median ratios and their spread (min, max) from per-repeat wall and CPU ratios."""
     return {
         "wall_ratio": statistics.median(wall),
         "cpu_ratio": statistics.median(cpu),
         "wall_spread": (min(wall), max(wall)),
         "cpu_spread": (min(cpu), max(cpu)),
-        "repeats": repeats,
+        "repeats": len(wall),
     }
 
 

@@ -14,7 +14,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._harness import abba, finish, parse_args, row  # noqa: E402
+from benchmarks._harness import abba, finish, parse_args, row, summarize  # noqa: E402
 
 
 def main() -> None:
@@ -79,7 +79,6 @@ def _hook_cost(monitor_cls, model, x, y, batch, epochs, repeats, tmp) -> dict:
     `time.thread_time()` in whichever thread runs them (Keras' worker threads included) and
     set against the process CPU time of the fit; wall time likewise with `perf_counter`.
     """
-    import statistics
     import time
 
     spent = []  # (wall, cpu) per hook call; list.append is safe from worker threads
@@ -106,13 +105,7 @@ def _hook_cost(monitor_cls, model, x, y, batch, epochs, repeats, tmp) -> dict:
         fit_wall, fit_cpu = time.perf_counter() - w0, time.process_time() - c0
         wall.append(1 + sum(w for w, _ in spent) / fit_wall)
         cpu.append(1 + sum(c for _, c in spent) / fit_cpu)
-    return {
-        "wall_ratio": statistics.median(wall),
-        "cpu_ratio": statistics.median(cpu),
-        "wall_spread": (min(wall), max(wall)),
-        "cpu_spread": (min(cpu), max(cpu)),
-        "repeats": repeats,
-    }
+    return summarize(wall, cpu)
 
 
 if __name__ == "__main__":

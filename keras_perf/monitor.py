@@ -79,8 +79,9 @@ class EpochMeter:
     sum to the epoch time: gaps between step *ends* (right when the host waits for the
     device, or when ends are read in the main thread as on TensorFlow), or gaps between step
     *begins* (right when the host is the bottleneck and Keras' worker threads, starved of the
-    GIL, read the ends late and bunched together). The wrong reading squeezes the epoch into
-    one long gap and many near-zero ones, so the reading with the larger median is used.
+    GIL, read the ends late and bunched together). The wrong reading squeezes several steps
+    into one long gap and near-zero ones; for the same sum that always widens the spread, so
+    the reading whose gaps vary less (smaller coefficient of variation) is used.
 
     Args:
         step_timing: Record each step's end time (for the percentiles and the step count).
@@ -175,9 +176,9 @@ class EpochMeter:
             if begins and begins[-1][0] < steps:
                 # Dispatch readings: each step spans from its start to the next one's, the
                 # last to the end of training. Like the completion gaps, these sum to the
-                # epoch; see the class docstring for why the larger median wins.
+                # epoch; see the class docstring for why the steadier reading wins.
                 dispatch = _gaps([(i - 1, t) for i, t in begins] + [(steps - 1, train_end)])
-                if _quantile(dispatch, 0.5) > _quantile(per_step, 0.5):
+                if dispatch and _spread(dispatch) < _spread(per_step):
                     per_step = dispatch
             out["step_time_ms_p50"] = _quantile(per_step, 0.5)
             out["step_time_ms_p90"] = _quantile(per_step, 0.9)
@@ -192,6 +193,14 @@ def _quantile(values: list[float], q: float) -> float:
     lo = int(pos)
     hi = min(lo + 1, len(a) - 1)
     return a[lo] + (a[hi] - a[lo]) * (pos - lo)
+
+
+def _spread(values: list[float]) -> float:
+    """Coefficient of variation (population standard deviation over mean); inf if mean is 0."""
+    mean = sum(values) / len(values)
+    if mean <= 0:
+        return float("inf")
+    return (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5 / mean
 
 
 def _gaps(points: list[tuple[int, float]]) -> list[float]:

@@ -92,7 +92,7 @@ def gzip_bytes(model) -> int:
 def main():
     args = parse_args(__doc__.splitlines()[0])
     x, y, xt, yt = data()
-    repeats = 2 if args.quick else 5
+    repeats = 1 if args.quick else 5
     # Active phase for the whole run: end_step far away, masks recomputed every 100 steps.
     schedule_args = dict(
         initial_sparsity=0.0, final_sparsity=0.8, begin_step=0, end_step=100_000, frequency=100

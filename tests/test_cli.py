@@ -94,6 +94,37 @@ def test_bench_without_scripts_says_where_it_looked(tmp_path, capsys):
     assert "bench_*.py" in capsys.readouterr().err
 
 
+_GOOD_SCRIPT = """
+import json, sys
+args = sys.argv[1:]
+rows = [{"claim": "tiny claim", "backend": "tensorflow", "wall_ratio": 1.25, "cpu_ratio": 0.5,
+         "target": "<= 2", "repeats": 3, "note": "stub " + ("quick" if "--quick" in args else "full")}]
+json.dump({"rows": rows}, open(args[args.index("--json") + 1], "w"))
+"""
+
+
+@pytest.mark.parametrize("quick", [True, False])
+def test_bench_reports_rows_and_failures_per_script(tmp_path, capsys, monkeypatch, quick):
+    # Stub scripts: one good, one raising, one exiting non-zero. Each is reported on its own,
+    # the good rows still print, and the exit code says something failed.
+    (tmp_path / "bench_a.py").write_text(_GOOD_SCRIPT)
+    (tmp_path / "bench_b.py").write_text("raise RuntimeError('broken on purpose')\n")
+    (tmp_path / "bench_c.py").write_text("import sys; sys.exit(3)\n")
+    monkeypatch.setenv("KERAS_BACKEND", "tensorflow")
+    args = ["bench", "--dir", str(tmp_path)] + (["--quick"] if quick else [])
+    assert cli.main(args) == 1
+    out = capsys.readouterr().out
+    for name in ("bench_a.py", "bench_b.py", "bench_c.py"):
+        assert f"running {name}" in out
+    assert "1 rows in" in out
+    row = next(ln for ln in out.splitlines() if ln.startswith("tiny claim"))
+    assert "1.250" in row and "0.500" in row and "<= 2" in row
+    assert ("stub quick" if quick else "stub full") in row
+    assert out.count("FAILED") == 2 * 2  # once as each script ends, once in the table
+    assert "broken on purpose" in out
+    assert "exit 3" in out
+
+
 @pytest.mark.slow
 @pytest.mark.backends("tensorflow")
 def test_bench_quick_prints_every_row(tmp_path):

@@ -1,7 +1,6 @@
 """TrainingMonitor and its EpochMeter: counts, timing, JSONL, summary, plot, CSV, TensorBoard."""
 
 import json
-import time
 
 import keras
 import numpy as np

@@ -541,13 +541,17 @@ class _MaskConstraint:
         return ops.multiply(w, ops.cast(self.mask, w.dtype))
 
 
-def _refresh_train_step(model, masks_changed: bool, constraints_changed: bool) -> None:
-    """Make the next `fit` step see new constraints (all backends) or new mask values (JAX).
+def _refresh_train_step(model, masks_changed: bool, constraints_changed: bool,
+                        masks_carried: bool = False) -> None:
+    """Make the next `fit` step see new constraints (all backends) or new mask values.
 
-    A TF or torch step reads the mask variables when it runs; a jitted JAX step bakes values it
-    does not receive as state into the compiled function, so it is retraced after a change.
+    A TF or torch step reads the mask variables when it runs. A jitted JAX step bakes in the
+    values of variables it does not receive as state, so after a mask change it is retraced,
+    unless the masks travel with the optimizer state (`masks_carried`, set by the callback
+    through `kp.backend.carry_in_step_state`).
     """
-    if constraints_changed or (masks_changed and not _backend.STEP_READS_EXTERNAL_VARIABLES):
+    stale_masks = masks_changed and not masks_carried
+    if constraints_changed or (stale_masks and not _backend.STEP_READS_EXTERNAL_VARIABLES):
         if getattr(model, "train_function", None) is not None:
             model.make_train_function(force=True)
 
@@ -767,6 +771,7 @@ class PruningCallback(keras.callbacks.Callback):
         self.thresholds: dict = {}
         self._targets_model = None
         self._ready = False
+        self._carried = False
         self._step = 0
         self._spe = 1
         self._pending_state: dict | None = None
@@ -842,6 +847,8 @@ class PruningCallback(keras.callbacks.Callback):
             changed = _install(self.targets, initial, derive_from_zeros=pruned_before)
             self._pending_state = None
             self.sparsity, per = _mask_sparsity(self.targets)
+            # JAX: the masks join the optimizer state, so mask updates need no retrace.
+            self._carried = _backend.carry_in_step_state(model, [t.mask for t in self.targets])
             _refresh_train_step(model, masks_changed=False, constraints_changed=changed)
             self._ready = True
 
@@ -870,8 +877,11 @@ class PruningCallback(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         # Weight EMA (`use_ema=True`) overwrites the weights after the last step: mask again.
         if self._ready:
-            self.model  # noqa: B018 - attaches the JAX state
+            model = self.model  # on JAX this attaches the latest state to the variables
             _apply_masks(self.targets)
+            if self._carried:
+                _backend.release_step_state(model, [t.mask for t in self.targets])
+                self._carried = False
 
     # -- mask update --------------------------------------------------------------------------
     def _update(self, step: int, target_sparsity: float) -> None:
@@ -886,7 +896,8 @@ class PruningCallback(keras.callbacks.Callback):
         self.history.append(
             {"step": step, "target_sparsity": target_sparsity, "sparsity": self.sparsity}
         )
-        _refresh_train_step(model, masks_changed=True, constraints_changed=False)
+        _refresh_train_step(model, masks_changed=True, constraints_changed=False,
+                            masks_carried=self._carried)
         if self.verbose:
             print(
                 f"PruningCallback: step {step}: target sparsity {target_sparsity:.4f}, "

@@ -18,6 +18,10 @@ Interface (every implementation module provides these names):
 - ``oom_error(message) -> BaseException``: an instance of the backend's own out-of-memory
   error (TF ``ResourceExhaustedError``, XLA ``JaxRuntimeError`` with status
   ``RESOURCE_EXHAUSTED``, ``torch.OutOfMemoryError``), for injecting OOM in tests on CPU.
+- ``carry_in_step_state(model, variables) -> bool`` and ``release_step_state(model,
+  variables)`` (optional; JAX only): make assignments to variables outside the model reach the
+  compiled train step without retracing it. TensorFlow graphs and eager torch read every
+  variable when the step runs, so elsewhere the first returns True and does nothing.
 
 Beside each, ``train_step_<backend>.py`` holds that backend's ``TrainStep`` mixin, exported
 here as ``TrainStepBase``.
@@ -48,6 +52,8 @@ memory_stats = _impl.memory_stats
 reset_peak_memory = _impl.reset_peak_memory
 list_devices = _impl.list_devices
 configure_devices = _impl.configure_devices
+carry_in_step_state = getattr(_impl, "carry_in_step_state", lambda model, variables: True)
+release_step_state = getattr(_impl, "release_step_state", lambda model, variables: None)
 _step = importlib.import_module(f"{__name__}.train_step_{_MODULES[BACKEND]}")
 #: Base class of `kp.LossScaleTrainStep`: the train step for this backend.
 TrainStepBase = _step.TrainStep
@@ -161,6 +167,5 @@ def is_functional(model) -> bool:
 
 #: Whether a compiled train step reads a variable that is not part of the model's or the
 #: optimizer's state when it runs (TensorFlow graphs, eager torch), or bakes its value in when
-#: traced (a jitted JAX step receives only that state). Pruning retraces the JAX step when its
-#: masks change.
+#: traced (a jitted JAX step receives only that state; see `carry_in_step_state`).
 STEP_READS_EXTERNAL_VARIABLES: bool = BACKEND != "jax"

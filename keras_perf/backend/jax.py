@@ -112,3 +112,83 @@ def configure_devices(memory_growth: bool, memory_limit_mb):
 
 def clear_memory() -> None:
     jax.clear_caches()
+
+
+# ------------------------------------------------------------------------------------------
+# Variables carried into the jitted train step
+# ------------------------------------------------------------------------------------------
+# Keras' JAX trainer passes the jitted step only the model's, the optimizer's and the metrics'
+# variables; any other variable is baked into the compiled function as a constant. A variable
+# listed among the optimizer's own variables travels with the optimizer state instead: the
+# step receives its current value at each call, and `optimizer.apply` (which runs variable
+# constraints) sees it inside the same stateless scope. Private Keras attributes used here,
+# checked on Keras 3.8-3.15: `BaseOptimizer._variables` and `LossScaleOptimizer.inner_optimizer`.
+
+
+def _optimizer_chain(optimizer):
+    """The optimizer and the ones it wraps (a LossScaleOptimizer's inner optimizer)."""
+    chain = [optimizer]
+    while getattr(chain[-1], "inner_optimizer", None) is not None:
+        chain.append(chain[-1].inner_optimizer)
+    return chain
+
+
+def _is_in(variable, variables) -> bool:
+    return any(variable is v for v in variables)
+
+
+def _excluding(owner, carried, method):
+    """`method(store)` run while `carried` are out of `owner._variables`: saved optimizer state
+    stays exactly what it is without them, and loads into a plain optimizer (and back)."""
+
+    def call(store):
+        everything = owner._variables[:]
+        owner._variables[:] = [v for v in everything if not _is_in(v, carried)]
+        try:
+            return method(store)
+        finally:
+            owner._variables[:] = everything
+
+    return call
+
+
+def carry_in_step_state(model, variables) -> bool:
+    """Make later assignments to `variables` reach the model's jitted train step without a
+    retrace; False when the optimizer is missing or not built yet (the caller then retraces).
+    """
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None or not getattr(optimizer, "built", False):
+        return False
+    chain = _optimizer_chain(optimizer)
+    owner = chain[-1]  # the optimizer whose apply() runs the constraints
+    carried = owner.__dict__.setdefault("_kp_carried", [])
+    for v in variables:
+        if not _is_in(v, owner._variables):
+            owner._variables.append(v)
+        if not _is_in(v, carried):
+            carried.append(v)
+    for opt in chain:
+        for name in ("save_own_variables", "load_own_variables"):
+            if name not in opt.__dict__:
+                original = getattr(type(opt), name).__get__(opt)
+                opt.__dict__[name] = _excluding(owner, carried, original)
+    return True
+
+
+def release_step_state(model, variables) -> None:
+    """Undo `carry_in_step_state` for `variables` (the optimizer is as before once none is left)."""
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is None:
+        return
+    chain = _optimizer_chain(optimizer)
+    owner = chain[-1]
+    carried = owner.__dict__.get("_kp_carried")
+    if not carried:
+        return
+    owner._variables[:] = [v for v in owner._variables if not _is_in(v, variables)]
+    carried[:] = [v for v in carried if not _is_in(v, variables)]
+    if not carried:
+        del owner.__dict__["_kp_carried"]
+        for opt in chain:
+            opt.__dict__.pop("save_own_variables", None)
+            opt.__dict__.pop("load_own_variables", None)

@@ -466,25 +466,28 @@ def _keep_count(n: int, sparsity: float) -> int:
     return max(int(np.round(kept)), 1)
 
 
-def _threshold(abs_flat, sparsity: float):
+def _threshold(abs_flat: np.ndarray, sparsity: float) -> np.float32:
     """The k-th largest magnitude: elements >= it are kept (tfmot's threshold)."""
-    n = int(abs_flat.shape[0])
+    n = abs_flat.shape[0]
     k = _keep_count(n, sparsity)
-    values, _ = ops.top_k(abs_flat, k, sorted=True)
-    return values[k - 1]
+    return np.partition(abs_flat, n - k)[n - k]
 
 
 def _magnitude_masks(weights, sparsity: float, scope: str):
-    """Masks keeping the largest magnitudes, per weight or with one global threshold."""
-    absolute = [ops.abs(ops.cast(w, "float32")) for w in weights]
+    """Masks keeping the largest magnitudes, per weight or with one global threshold.
+
+    Computed on the host with NumPy: a partition is linear in the weight count, and it needs
+    no compiled kernel per sparsity (`top_k(k)` on a jitted backend compiles again for each new
+    k, about 50 ms each on a CPU). The weights come over once per mask update (every
+    `frequency` steps); the masks go back as the mask variables' new values.
+    """
+    absolute = [np.abs(np.asarray(ops.convert_to_numpy(w), dtype=np.float32)) for w in weights]
     if scope == "global":
-        flat = ops.concatenate([ops.reshape(a, (-1,)) for a in absolute], axis=0)
+        flat = np.concatenate([a.ravel() for a in absolute])
         thresholds = [_threshold(flat, sparsity)] * len(absolute)
     else:
-        thresholds = [_threshold(ops.reshape(a, (-1,)), sparsity) for a in absolute]
-    masks = [
-        ops.cast(ops.greater_equal(a, t), w.dtype) for a, t, w in zip(absolute, thresholds, weights)
-    ]
+        thresholds = [_threshold(a.ravel(), sparsity) for a in absolute]
+    masks = [(a >= t).astype(np.float32) for a, t in zip(absolute, thresholds)]
     return masks, thresholds
 
 

@@ -122,6 +122,14 @@ def _direct_sublayers(layer) -> list:
     return [s for s in sub if isinstance(s, keras.layers.Layer)]
 
 
+def sum_of_squares(tensors):
+    """Sum of the squares of all entries of `tensors`, in float32: a dot product per tensor,
+    so no squared temporary (flattened: torch's vdot takes only 1-D tensors; reshape is a
+    view, no copy)."""
+    flat = [keras.ops.reshape(keras.ops.cast(t, "float32"), (-1,)) for t in tensors]
+    return keras.ops.sum(keras.ops.stack([keras.ops.vdot(t, t) for t in flat]))
+
+
 def map_batch(fn, structure):
     """Apply `fn` to every tensor of a (nested) batch structure, leaving `None` entries alone."""
     return keras.tree.map_structure(lambda t: None if t is None else fn(t), structure)

@@ -196,16 +196,14 @@ class LossScaleTrainStep(_backend.TrainStepBase):
         if not present:
             zero = ops.zeros((), "float32")
             return grads, ops.ones((), "bool"), zero
-        # One pass over the gradients: a dot product per tensor (no squared temporary). A NaN
-        # or inf anywhere makes the sum non-finite; only then is each tensor checked, to tell
-        # a real non-finite gradient from a finite one whose squared norm overflows float32.
-        # Flattened: torch's vdot takes only 1-D tensors (reshape is a view, no copy).
-        flat = [ops.reshape(ops.cast(g, "float32"), (-1,)) for g in present]
-        sum_sq = ops.sum(ops.stack([ops.vdot(g, g) for g in flat]))
+        # One pass over the gradients (the backend's cheapest sum of squares). A NaN or inf
+        # anywhere makes the sum non-finite; only then is each tensor checked, to tell a real
+        # non-finite gradient from a finite one whose squared norm overflows float32.
+        sum_sq = self._kp_sum_of_squares(present)
         finite = ops.cond(
             ops.isfinite(sum_sq),
             lambda: ops.ones((), "bool"),
-            lambda: ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in flat])),
+            lambda: ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in present])),
         )
         norm = ops.sqrt(sum_sq)
         if scale is not None:

@@ -16,7 +16,7 @@ from keras import ops
 # (what Keras' own JAX trainer uses; checked on Keras 3.8-3.15).
 from keras.src.backend import StatelessScope
 
-from keras_perf._utils import first_tensor, map_batch, training_step
+from keras_perf._utils import first_tensor, map_batch, sum_of_squares, training_step
 
 
 def _index(variables, target):
@@ -28,6 +28,8 @@ def _index(variables, target):
 
 class TrainStep:
     """JAX `train_step(state, data)`; mixed into `kp.LossScaleTrainStep`."""
+
+    _kp_sum_of_squares = staticmethod(sum_of_squares)
 
     def train_step(self, state, data):
         with training_step():

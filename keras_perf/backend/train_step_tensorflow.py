@@ -68,6 +68,13 @@ def _apply_if_finite(optimizer, finite, grads, variables):
 class TrainStep:
     """TensorFlow `train_step(data)`; mixed into `kp.LossScaleTrainStep`."""
 
+    @staticmethod
+    def _kp_sum_of_squares(tensors):
+        # tf.nn.l2_loss (sum of squares / 2) is one fused kernel per tensor. The generic dot
+        # product is a 1 x n by n x 1 MatMul in TensorFlow, and the grad norm cost about 8 %
+        # of a 784-1024-1024-10 MLP step on 2 CPU cores that way; this costs about 1-3 %.
+        return 2.0 * tf.add_n([tf.nn.l2_loss(tf.cast(t, "float32")) for t in tensors])
+
     def _maybe_symbolic_build(self, iterator=None, data_batch=None):
         # Keras (3.8-3.15) builds a model under a strategy from one distributed batch reduced
         # with `strategy.reduce("MEAN", (x, y))`; MultiWorkerMirroredStrategy cannot reduce a

@@ -11,11 +11,13 @@ import warnings
 import keras
 import torch
 
-from keras_perf._utils import first_tensor, map_batch, training_step
+from keras_perf._utils import first_tensor, map_batch, sum_of_squares, training_step
 
 
 class TrainStep:
     """PyTorch `train_step(data)`; mixed into `kp.LossScaleTrainStep`."""
+
+    _kp_sum_of_squares = staticmethod(sum_of_squares)
 
     def train_step(self, data):
         with training_step():

@@ -17,6 +17,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -103,10 +104,10 @@ def run_in_one_process(
         tail: list[str] = []
         with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) as proc:
+            # A watchdog, not a check per line: a script that hangs prints nothing.
+            watchdog = threading.Timer(timeout, proc.kill)
+            watchdog.start()
             for line in proc.stdout:
-                if time.perf_counter() - t0 > timeout:
-                    proc.kill()
-                    break
                 if line.startswith("@@start "):
                     current = Path(line[8:].strip())
                     on_start(current)
@@ -129,8 +130,10 @@ def run_in_one_process(
                 else:
                     tail.append(line.rstrip())
             proc.wait()
+            timed_out = not watchdog.is_alive() and time.perf_counter() - t0 >= timeout
+            watchdog.cancel()
         for s in scripts[len(results):]:
-            why = (f"timed out after {timeout:.0f} s" if time.perf_counter() - t0 > timeout
+            why = (f"timed out after {timeout:.0f} s" if timed_out
                    else f"the benchmark process exited ({proc.returncode}): "
                    + " | ".join(tail[-3:]))
             results.append(_failed(s, backend, time.perf_counter(), why))

@@ -144,3 +144,23 @@ def test_bench_quick_prints_every_row(tmp_path):
     table = md.read_text()
     rows = [ln for ln in table.splitlines() if ln.startswith("| ") and not ln.startswith("| claim")]
     assert len(rows) >= len(scripts)              # every script contributes its claims
+
+
+def test_bench_quick_kills_a_script_that_hangs(tmp_path):
+    import time
+
+    from keras_perf.bench import run_in_one_process
+
+    (tmp_path / "bench_a.py").write_text(_GOOD_SCRIPT)
+    (tmp_path / "bench_b.py").write_text("import time; time.sleep(120)\n")  # prints nothing
+    (tmp_path / "bench_c.py").write_text(_GOOD_SCRIPT)
+    scripts = sorted(tmp_path.glob("bench_*.py"))
+    started, done = [], []
+    t0 = time.perf_counter()
+    results = run_in_one_process(scripts, "tensorflow", 5.0, started.append, done.append)
+    assert time.perf_counter() - t0 < 60
+    assert [r["script"] for r in results] == ["bench_a.py", "bench_b.py", "bench_c.py"]
+    assert results[0]["error"] is None and len(results[0]["rows"]) == 1
+    assert "timed out after 5 s" in results[1]["error"]
+    assert "timed out" in results[2]["error"]  # never started
+    assert done == results and [p.name for p in started] == ["bench_a.py", "bench_b.py"]

@@ -314,19 +314,21 @@ def loss_scaled(
             f"Model '{model.name}' has no inputs yet: give the Sequential model an input shape "
             "(`keras.Input(shape)` as first layer) or call it on data before kp.loss_scaled()."
         )
-    new = LossScaledModel(
-        # A single input as a tensor, not a one-element list: Keras warns when the structure
-        # of the data (one array) differs from that of the inputs.
-        inputs=inputs[0] if len(inputs) == 1 else inputs,
-        outputs=outputs,
-        name=model.name,
-        initial_scale=initial_scale,
-        dynamic_growth_steps=dynamic_growth_steps,
-        **settings,
-    )
-    if getattr(model, "compiled", False) and model.optimizer is not None:
-        config = keras.saving.deserialize_keras_object(model.get_compile_config())
-        config["optimizer"] = model.optimizer
-        new.compile(**config)
+    # Under the strategy `model` was made in (TF), so that the twin trains on its replicas too.
+    with _backend.model_scope(model):
+        new = LossScaledModel(
+            # A single input as a tensor, not a one-element list: Keras warns when the structure
+            # of the data (one array) differs from that of the inputs.
+            inputs=inputs[0] if len(inputs) == 1 else inputs,
+            outputs=outputs,
+            name=model.name,
+            initial_scale=initial_scale,
+            dynamic_growth_steps=dynamic_growth_steps,
+            **settings,
+        )
+        if getattr(model, "compiled", False) and model.optimizer is not None:
+            config = keras.saving.deserialize_keras_object(model.get_compile_config())
+            config["optimizer"] = model.optimizer
+            new.compile(**config)
     return new
 

@@ -22,6 +22,8 @@ Interface (every implementation module provides these names):
   variables)`` (optional; JAX only): make assignments to variables outside the model reach the
   compiled train step without retracing it. TensorFlow graphs and eager torch read every
   variable when the step runs, so elsewhere the first returns True and does nothing.
+- ``model_scope(model)`` (optional; TensorFlow only): the scope of the tf.distribute strategy
+  `model` was created under, in which a model sharing its layers must be created.
 
 Beside each, ``train_step_<backend>.py`` holds that backend's ``TrainStep`` mixin, exported
 here as ``TrainStepBase``.
@@ -29,6 +31,7 @@ here as ``TrainStepBase``.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import importlib
 import os
@@ -74,6 +77,16 @@ def is_multi_worker(model=None) -> bool:
     """Whether training runs in several processes that must agree (TF multi-worker)."""
     fn = getattr(_impl, "is_multi_worker", None)
     return False if fn is None else fn(model)
+
+
+def model_scope(model):
+    """Context in which to create a model that shares `model`'s layers (TF: its strategy scope).
+
+    Keras binds a TensorFlow model to the tf.distribute strategy in scope when the model is
+    created; a twin made outside that scope would train on one device. A no-op elsewhere.
+    """
+    fn = getattr(_impl, "model_scope", None)
+    return contextlib.nullcontext() if fn is None else fn(model)
 
 
 def clear_memory() -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import tensorflow as tf
 
 
@@ -93,6 +95,12 @@ def _strategy(model):
     if model is not None and getattr(model, "_distribute_strategy", None) is not None:
         return model._distribute_strategy
     return tf.distribute.get_strategy()
+
+
+def model_scope(model):
+    """The scope of the strategy `model` was created under (Keras records it), else a no-op."""
+    strategy = getattr(model, "_distribute_strategy", None)
+    return strategy.scope() if strategy is not None else contextlib.nullcontext()
 
 
 def is_multi_worker(model=None) -> bool:

@@ -235,7 +235,8 @@ def fit_with_oom_retry(
         ValueError: the model is not compiled, or an argument is out of range.
         RuntimeError: out of memory again with micro-batches below `min_batch_size`, after
             `max_retries` recoveries, or on a model that cannot be micro-batched; the message
-            lists what was tried, and the last OOM error is its `__cause__`.
+            lists what was tried, and the last OOM error is its `__cause__`. Also at the start
+            under a multi-worker `MultiWorkerMirroredStrategy`, which it does not support.
 
     Example:
         >>> import keras, keras_perf as kp, numpy as np
@@ -248,6 +249,13 @@ def fit_with_oom_retry(
     """
     if not isinstance(model, keras.Model):
         raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
+    if _backend.is_multi_worker(model):
+        raise RuntimeError(
+            "kp.fit_with_oom_retry does not support a multi-worker MultiWorkerMirroredStrategy: "
+            "an out-of-memory error on one worker cannot be coordinated with the other workers, "
+            "which would wait in their next collective instead of retrying. Use `model.fit` "
+            "with a batch size that fits."
+        )
     batch_size = check_int("batch_size", batch_size, minimum=1, allow_none=True)
     epochs = check_int("epochs", epochs, minimum=1)
     min_batch_size = check_int("min_batch_size", min_batch_size, minimum=1)

@@ -154,8 +154,11 @@ def pruning_case(scope):
     return out
 
 
-def stopping_case(scope, slow_worker=False):
-    """EarlyStopping and TimeLimit inside `scope`: epochs stopped at, reasons."""
+def stopping_case(scope, slow_worker=False, epoch_sleep=0.0, seconds=8.0):
+    """EarlyStopping and TimeLimit inside `scope`: epochs stopped at, reasons.
+
+    Each epoch sleeps `epoch_sleep` s (2 s on a `slow_worker`); TimeLimit gets `seconds`.
+    """
     import time
 
     import keras
@@ -172,13 +175,150 @@ def stopping_case(scope, slow_worker=False):
 
         class Slow(keras.callbacks.Callback):
             def on_epoch_end(self, epoch, logs=None):
-                time.sleep(2.0 if slow_worker else 0.0)
+                time.sleep(2.0 if slow_worker else epoch_sleep)
 
         model = kp.loss_scaled(build())  # stock fit fails under MWMS (Keras 3.15)
-        limit = kp.TimeLimit(seconds=8.0)
+        limit = kp.TimeLimit(seconds=seconds)
         hist = train(model, x, y, epochs=50, callbacks=[Slow(), limit])
         out["time_limit"] = [limit.stopped_epoch, limit.stop_reason, len(hist.history["loss"])]
     return out
+
+
+def early_stopping_parity_case(scope):
+    """EarlyStopping(patience, restore_best_weights) on val_loss: one device vs inside `scope`.
+
+    On this data val_loss is lowest at epoch 9 and rises at epochs 10 and 11 (by about 2e-3
+    each, far above float32 noise), so patience=2 stops after epoch 11 and restores epoch 9.
+    """
+    import keras_perf as kp
+
+    x, y = data()
+    xv, yv = data(n=32, seed=1)
+
+    def run():
+        model = build()
+        es = kp.EarlyStopping(monitor="val_loss", patience=2, restore_best_weights=True)
+        hist = train(model, x, y, epochs=30, callbacks=[es], validation_data=(xv, yv))
+        decision = [es.stopped_epoch, es.best_epoch, es.stop_reason, len(hist.history["loss"])]
+        return model.get_weights(), decision, hist.history["val_loss"]
+
+    ref_w, ref_decision, ref_val = run()
+    with scope():
+        w, decision, val = run()
+    return {
+        "one_device": ref_decision,
+        "distributed": decision,
+        "weights": max_diff(ref_w, w),
+        "val_loss": max(abs(a - b) for a, b in zip(ref_val, val)),
+    }
+
+
+def _oom_above(threshold, from_call=0, replica=None):
+    """Identity layer that raises the backend's OOM error once, as in tests/test_oom.py.
+
+    It raises on the first training call with a static batch above `threshold` from the
+    `from_call`-th such call on (0-based). Static batches are seen in eager TF steps and while
+    jax.jit traces a step. `replica`: count and raise only on that tf.distribute replica.
+    """
+    import keras
+
+    import keras_perf as kp
+
+    class OOMAbove(keras.layers.Layer):
+        def __init__(self):
+            super().__init__()
+            self.calls, self.raised, self.sizes, self.raised_at = 0, [], [], None
+
+        def call(self, x, training=False):
+            n = x.shape[0]
+            if not training or not isinstance(n, int):
+                return x
+            if replica is not None:
+                import tensorflow as tf
+
+                ctx = tf.distribute.get_replica_context()
+                if ctx is None or int(ctx.replica_id_in_sync_group) != replica:
+                    return x
+            index, self.calls = self.calls, self.calls + 1
+            self.sizes.append(n)
+            if n > threshold and index >= from_call and not self.raised:
+                exc = kp.backend.oom_error(f"Out of memory (injected, batch {n}).")
+                self.raised.append(exc)
+                self.raised_at = len(self.sizes) - 1
+                raise exc
+            return x
+
+    return OOMAbove()
+
+
+def oom_case(scope, n, threshold, from_call, replica=None, fit_in_scope=True):
+    """kp.fit_with_oom_retry with one injected OOM, compared with a one-device run.
+
+    The reference trains the epochs before the failed one as they were, then the rest with
+    the surviving micro-batch count from the start of the failed epoch.
+    """
+    import keras
+    import numpy as np
+
+    import keras_perf as kp
+
+    x, y = data(n=n)
+    eager = keras.backend.backend() == "tensorflow"  # the OOM layer needs static shapes
+
+    def make(layer=None):
+        dense = build().layers
+        model = keras.Sequential(
+            [keras.Input((8,)), dense[0]] + ([layer] if layer else []) + dense[1:]
+        )
+        model.compile(
+            keras.optimizers.SGD(0.1, momentum=0.9),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            run_eagerly=eager and layer is not None,
+        )
+        return model
+
+    layer = _oom_above(threshold, from_call, replica)
+    with scope():
+        model = make(layer)
+    # Keras binds a TF model to its strategy when it is created: fit outside the scope, as
+    # users may, so the micro-batched twin made at the OOM must find the strategy itself.
+    with scope() if fit_in_scope else _no_scope():
+        hist = kp.fit_with_oom_retry(
+            model, x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0
+        )
+    events = hist.oom_events
+    failed = events[0]["epoch"] if events else 2
+
+    ref = make()
+    ref_loss = []
+    if failed > 0:
+        h = ref.fit(x, y, batch_size=GLOBAL_BATCH, epochs=failed, shuffle=False, verbose=0)
+        ref_loss += h.history["loss"]
+    twin = kp.loss_scaled(ref, microbatches=2)
+    h = twin.fit(
+        x, y, batch_size=GLOBAL_BATCH, epochs=2, initial_epoch=failed, shuffle=False, verbose=0
+    )
+    ref_loss += h.history["loss"]
+
+    with scope():
+        replicas_agree = all(
+            all(np.array_equal(c[0], other) for other in c[1:])
+            for c in (_replica_values(v) for v in model.weights)
+        )
+        iterations = int(_replica_values(hist.model.optimizer.iterations)[0])
+    return {
+        "epochs": hist.epoch,
+        "events": [[e["epoch"], e["batch_size"], e["microbatches"]] for e in events],
+        "error": events[0]["error"] if events else "",
+        "raised": len(layer.raised),
+        # Static batches the layer saw after it raised: the retry's micro-batches.
+        "sizes_after": [] if layer.raised_at is None else layer.sizes[layer.raised_at + 1 :],
+        "microbatches": getattr(hist.model, "microbatches", 1),
+        "iterations": [iterations, int(twin.optimizer.iterations)],
+        "weights": max_diff(ref.get_weights(), model.get_weights()),
+        "loss": max(abs(a - b) / abs(b) for a, b in zip(hist.history["loss"], ref_loss)),
+        "replicas_agree": replicas_agree,
+    }
 
 
 def monitor_case(scope):
@@ -190,7 +330,10 @@ def monitor_case(scope):
         model = kp.loss_scaled(build())
         mon = kp.TrainingMonitor()
         train(model, x, y, epochs=2, callbacks=[mon])
-    return {"examples": [h["examples"] for h in mon.history], "steps": [h["steps"] for h in mon.history]}
+    return {
+        "examples": [h["examples"] for h in mon.history],
+        "steps": [h["steps"] for h in mon.history],
+    }
 
 
 def distill_case(scope):
@@ -236,6 +379,11 @@ def tf_mirrored():
     out["pruning"] = pruning_case(strategy.scope)
     out["monitor"] = monitor_case(strategy.scope)
     out["distill"] = distill_case(strategy.scope)
+    # Global batch 16 = 8 per replica; the OOM is raised on replica 1 only, at its 7th step
+    # (epoch 1, step 2: two updates of epoch 1 to roll back). 2 micro-batches of 4 fit.
+    out["oom"] = oom_case(
+        strategy.scope, n=64, threshold=4, from_call=6, replica=1, fit_in_scope=False
+    )
     return out
 
 
@@ -260,7 +408,39 @@ def tf_mwms():
         "stopping": stopping_case(strategy.scope, slow_worker=task == 1),
         "monitor": monitor_case(strategy.scope),
         "distill": distill_case(strategy.scope),
+        "oom_refused": oom_refused_case(strategy),
     }
+
+
+def oom_refused_case(strategy):
+    """kp.fit_with_oom_retry under a multi-worker strategy: a clear error before any step."""
+    import keras
+
+    import keras_perf as kp
+
+    x, y = data()
+    with strategy.scope():
+        model = kp.loss_scaled(build())
+        model.compile(
+            keras.optimizers.SGD(0.1), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        )
+    before = model.get_weights()
+    out = {}
+    for where in ("in_scope", "model_only"):
+        try:
+            with strategy.scope() if where == "in_scope" else _no_scope():
+                kp.fit_with_oom_retry(model, x, y, batch_size=GLOBAL_BATCH, verbose=0)
+            out[where] = ["", ""]
+        except Exception as exc:  # noqa: BLE001 - the test checks the type
+            out[where] = [type(exc).__name__, str(exc)]
+    out["unchanged"] = max_diff(before, model.get_weights())
+    return out
+
+
+def _no_scope():
+    import contextlib
+
+    return contextlib.nullcontext()
 
 
 def jax_dp():
@@ -286,6 +466,12 @@ def jax_dp():
     out["pruning"] = pruning_case(scope)
     out["monitor"] = monitor_case(scope)
     out["distill"] = distill_case(scope)
+    out["stopping"] = stopping_case(scope, epoch_sleep=0.25, seconds=2.0)
+    out["early_stopping"] = early_stopping_parity_case(scope)
+    # jax.jit traces once per batch shape, on the global batch (SPMD: one program for both
+    # devices). 72 examples: 4 batches of 16, then one of 8, traced anew; the OOM is raised in
+    # that second trace (epoch 0, after its 4 updates). 2 micro-batches (8, then 4) fit.
+    out["oom"] = oom_case(scope, n=72, threshold=4, from_call=1)
     return out
 
 

@@ -206,3 +206,74 @@ def test_multi_worker_distillation_matches_one_device(mwms):
     for r in mwms:
         assert r["distill"]["student"] < 1e-5
         assert r["distill"]["teacher_unchanged"] == 0.0
+
+
+# --- fit_with_oom_retry -------------------------------------------------------------------
+
+
+def _check_oom_recovery(o, event):
+    assert o["raised"] == 1
+    assert o["epochs"] == [0, 1]  # every epoch once
+    assert o["events"] == [event]  # [epoch, batch_size, micro-batches that failed]
+    assert o["error"].startswith(("ResourceExhaustedError", "JaxRuntimeError"))
+    assert o["microbatches"] == 2
+    # The rolled-back updates are not counted: same optimizer steps as the reference.
+    assert o["iterations"][0] == o["iterations"][1]
+    assert o["weights"] < 1e-5
+    assert o["loss"] < 1e-5
+    assert o["replicas_agree"] is True
+
+
+@pytest.mark.backends("tensorflow")
+def test_mirrored_oom_on_one_replica_recovers_both(mirrored):
+    # Replica 1 alone runs out of memory at epoch 1, step 2 (per-replica batch 8). Both
+    # replicas roll back to the start of epoch 1 and re-run it with 2 micro-batches; the
+    # weights match one device that used 2 micro-batches from epoch 1 on.
+    o = mirrored["oom"]
+    _check_oom_recovery(o, [1, 16, 1])
+    assert o["iterations"][0] == 8
+    # The retry ran on the replicas, in slices of 4 (the twin kept the strategy): 4 steps x 2.
+    assert o["sizes_after"] == [4] * 8
+
+
+@pytest.mark.backends("jax")
+def test_jax_data_parallel_oom_recovers(jax_dp):
+    # One SPMD program for both devices: the OOM fails the whole step (raised while jax.jit
+    # traces the short last batch of epoch 0, after 4 updates), and the epoch re-runs.
+    o = jax_dp["oom"]
+    _check_oom_recovery(o, [0, 16, 1])
+    assert o["iterations"][0] == 10  # 5 steps x 2 epochs
+    assert o["sizes_after"] == [8, 4]  # the retry traced slices of the 16- and 8-batches
+
+
+@pytest.mark.backends("tensorflow")
+def test_multi_worker_oom_retry_refused_clearly(mwms):
+    # An OOM on one worker cannot reach the others (they would wait in their collective), so
+    # fit_with_oom_retry refuses to start, on both workers, in scope or not.
+    for r in mwms:
+        o = r["oom_refused"]
+        for where in ("in_scope", "model_only"):
+            kind, message = o[where]
+            assert kind == "RuntimeError"
+            assert "MultiWorkerMirroredStrategy" in message and "model.fit" in message
+        assert o["unchanged"] == 0.0
+
+
+# --- EarlyStopping / TimeLimit under JAX DataParallel -------------------------------------
+
+
+@pytest.mark.backends("jax")
+def test_jax_data_parallel_stopping(jax_dp):
+    s = jax_dp["stopping"]
+    assert s["early"] == [0, 0, "threshold"]
+    stopped, reason, epochs_run = s["time_limit"]
+    assert reason == "time_limit" and epochs_run == stopped + 1 < 50
+
+
+@pytest.mark.backends("jax")
+def test_jax_data_parallel_early_stopping_same_as_one_device(jax_dp):
+    e = jax_dp["early_stopping"]
+    # val_loss is lowest at epoch 9; patience=2 stops after epoch 11, on both.
+    assert e["one_device"] == e["distributed"] == [11, 9, "patience", 12]
+    assert e["val_loss"] < 1e-5
+    assert e["weights"] < 1e-5  # the restored best weights

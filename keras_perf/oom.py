@@ -17,7 +17,9 @@ How a run recovers, step by step:
    `microbatches` is raised) or, for a stock Sequential/Functional model, a `kp.loss_scaled`
    twin is made that shares the model's layers and optimizer. Each batch keeps its size and
    each step stays one optimizer update: in-step gradient accumulation equal to the
-   full-batch update, so the optimisation does not change.
+   full-batch update, so the optimisation does not change. A subclassed model without the
+   mixin, fed arrays, instead gets half the batch size and an optimizer copy that averages
+   twice as many batches per update (Keras' gradient accumulation): the same update again.
 4. `fit` is called again with `initial_epoch` = the failed epoch and the same callbacks.
 """
 
@@ -53,7 +55,10 @@ def _state_variables(model) -> list:
 
 def _snapshot(model) -> list:
     # np.array(copy=True): on CPU, torch and JAX may hand out views of the live buffers.
-    return [(v, np.array(keras.ops.convert_to_numpy(v.value), copy=True)) for v in _state_variables(model)]
+    return [
+        (v, np.array(keras.ops.convert_to_numpy(v.value), copy=True))
+        for v in _state_variables(model)
+    ]
 
 
 def _restore(snapshot) -> None:
@@ -134,6 +139,90 @@ def _steps(x, batch_size, fit_kwargs):
 
 
 # -- recovery -----------------------------------------------------------------------------
+def _plain_variables(optimizer) -> list:
+    """The optimizer's variables other than its step counter and gradient accumulators."""
+    skip = {
+        id(a) for a in (getattr(optimizer, "_accumulated_gradients", None) or []) if a is not None
+    }
+    skip.add(id(optimizer._iterations))
+    return [v for v in optimizer.variables if id(v) not in skip]
+
+
+def _copy_optimizer_state(source, target) -> None:
+    """Copy slots, learning rate and step count from `source` into `target` (same variables).
+
+    Either may accumulate gradients (Keras' `gradient_accumulation_steps`, whose counter
+    counts accumulated batches); the optimizer-step count is carried over, and `target`'s
+    accumulators are left at zero.
+    """
+    src, dst = _plain_variables(source), _plain_variables(target)
+    if len(src) != len(dst) or any(tuple(a.shape) != tuple(b.shape) for a, b in zip(src, dst)):
+        raise RuntimeError(
+            f"fit_with_oom_retry: cannot carry the state of optimizer '{source.name}' over to an "
+            "accumulating copy (its variables differ)."
+        )
+    for a, b in zip(src, dst):
+        b.assign(a.value)
+    steps = int(keras.ops.convert_to_numpy(source._iterations)) // (
+        source.gradient_accumulation_steps or 1
+    )
+    target._iterations.assign(steps * (target.gradient_accumulation_steps or 1))
+    for acc in getattr(target, "_accumulated_gradients", None) or []:
+        if acc is not None:
+            acc.assign(keras.ops.zeros(acc.shape, acc.dtype))
+
+
+class _Accumulation:
+    """Gradient accumulation for a stock model fed arrays: batches of batch_size/k, k per update.
+
+    The user's optimizer is not changed in structure: while the run needs accumulation the
+    model trains with a copy built with `gradient_accumulation_steps=k` (Keras averages the k
+    gradients and applies them once; its learning rate and `iterations` count updates, not
+    batches), and the state is handed back to the user's optimizer when the run ends.
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self.original = model.optimizer
+        self.k = 1
+
+    @staticmethod
+    def refuses(model) -> str | None:
+        if isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
+            return (
+                "its optimizer is a LossScaleOptimizer (mixed_float16), which Keras does not let "
+                "accumulate gradients."
+            )
+        if model.optimizer.gradient_accumulation_steps and not getattr(
+            model.optimizer, "_kp_copy", False
+        ):
+            return "its optimizer already accumulates gradients (gradient_accumulation_steps)."
+        return None
+
+    def set(self, k: int) -> None:
+        """Train with k accumulated batches per update from the next `fit` call on."""
+        current = self.model.optimizer
+        if k == 1:
+            target = self.original
+        else:
+            config = dict(current.get_config(), gradient_accumulation_steps=k)
+            with _backend.model_scope(self.model):
+                target = type(self.original).from_config(config)
+            target._kp_copy = True
+        if current.built and not target.built:
+            # (Unbuilt when the OOM came before the first update: Keras builds it then.)
+            with _backend.model_scope(self.model):
+                target.build(self.model.trainable_variables)
+        _copy_optimizer_state(current, target)
+        self.model.optimizer = target
+        self.model.train_function = None  # rebuilt by the next fit, with the new optimizer
+        self.k = k
+
+    def finish(self) -> None:
+        if self.k != 1:
+            self.set(1)
+
+
 def _microbatches(model) -> int:
     return model.microbatches if isinstance(model, LossScaleTrainStep) else 1
 
@@ -151,7 +240,9 @@ def _tried(events, batch_size) -> str:
     parts = []
     for e in events:
         size = "?" if batch_size is None else math.ceil(batch_size / e["microbatches"])
-        parts.append(f"epoch {e['epoch']}: batch {e['batch_size']} in {e['microbatches']} micro-batch(es) of {size}")
+        parts.append(
+            f"epoch {e['epoch']}: batch {e['batch_size']} in {e['microbatches']} micro-batch(es) of {size}"
+        )
     return "; ".join(parts)
 
 
@@ -161,18 +252,55 @@ def _cannot_microbatch(model, array_input) -> str | None:
         return None
     if isinstance(model, keras.Sequential) or _backend.is_functional(model):
         return None
-    data = (
-        "Input that fit batches itself (numpy arrays) would also need it: we keep the effective "
-        "batch by accumulating gradients inside the train step."
-        if array_input
-        else "tf.data datasets, PyDatasets and generators cannot be re-batched, so micro-batching "
-        "is the only way to keep the batch."
-    )
+    if array_input:
+        refusal = _Accumulation.refuses(model)
+        if refusal is None:
+            return None  # smaller batches with gradient accumulation
+        data = f"Smaller batches with gradient accumulation are not possible either: {refusal}"
+    else:
+        data = (
+            "tf.data datasets, PyDatasets and generators cannot be re-batched, so micro-batching "
+            "is the only way to keep the batch."
+        )
     return (
         f"{type(model).__name__} is a subclassed model without keras-perf's train step, so its "
         f"batch cannot be cut into micro-batches. {data} Subclass the mixin: "
         f"`class {type(model).__name__}(kp.LossScaleTrainStep, keras.Model): ...`."
     )
+
+
+def _accumulates(model, array_input) -> bool:
+    """Whether recovery halves the batch and accumulates gradients (stock subclassed model)."""
+    return (
+        array_input
+        and not isinstance(model, LossScaleTrainStep)
+        and not isinstance(model, keras.Sequential)
+        and not _backend.is_functional(model)
+    )
+
+
+def _why_not_retry(
+    model, array_input, accumulation, batch, nxt, oom_count, max_retries, min_batch_size
+):
+    """Why the run gives up instead of retrying with `nxt` pieces per batch (None: retry)."""
+    reason = _cannot_microbatch(model, array_input)
+    if reason is None and oom_count > max_retries:
+        reason = f"max_retries={max_retries} recoveries were used up."
+    if reason is None and accumulation is not None and batch % nxt:
+        reason = (
+            f"batch_size={batch} cannot be cut into {nxt} equal batches, which gradient accumulation "
+            "needs to keep the update unchanged (use a power-of-two batch_size, or keras-perf's "
+            "train step)."
+        )
+    if reason is None and batch is not None:
+        if nxt // 2 >= batch:
+            reason = "each micro-batch is already a single example."
+        elif math.ceil(batch / nxt) < min_batch_size:
+            reason = (
+                f"the next micro-batch ({math.ceil(batch / nxt)} examples) would be below "
+                f"min_batch_size={min_batch_size}."
+            )
+    return reason
 
 
 def fit_with_oom_retry(
@@ -201,10 +329,16 @@ def fit_with_oom_retry(
     doubled and stays raised afterwards) or, for a stock Sequential or Functional model, from
     a `kp.loss_scaled` twin made at the first OOM, which shares the model's layers and
     optimizer: the model you passed ends with the trained weights; `history.model` is the
-    model that finished the run. Subclassed models need the mixin to be recoverable. This
-    works for every kind of input, including tf.data and generators, which cannot be
-    re-batched. Only the train step is sliced: an OOM during validation is retried until
-    `max_retries` is used up (pass a smaller `validation_batch_size`).
+    model that finished the run. This works for every kind of input, including tf.data and
+    generators, which cannot be re-batched. A subclassed model without the mixin, fed arrays,
+    goes on with half the `batch_size` and its optimizer averaging 2 batches per update
+    (Keras' `gradient_accumulation_steps`, on a copy of the optimizer whose state is handed
+    back to yours when the run ends): the same updates when `batch_size` splits evenly (the
+    run gives up otherwise) and the number of examples is a multiple of it (otherwise the
+    short last batch is averaged with the next one). Only the train step is sliced: an OOM
+    during validation is retried until `max_retries` is used up (pass a smaller
+    `validation_batch_size`). When the run gives up, the model keeps the weights and
+    optimizer state it had when the failed epoch began.
 
     Callback contract: one set of callbacks serves the whole run. `on_train_begin` and
     `on_train_end` are called once; `on_epoch_end` once per completed epoch, so `History`,
@@ -234,7 +368,8 @@ def fit_with_oom_retry(
         TypeError: `model` is not a Keras model, or a bad argument type.
         ValueError: the model is not compiled, or an argument is out of range.
         RuntimeError: out of memory again with micro-batches below `min_batch_size`, after
-            `max_retries` recoveries, or on a model that cannot be micro-batched; the message
+            `max_retries` recoveries, or on a model that can be neither micro-batched nor
+            given smaller batches with gradient accumulation; the message
             lists what was tried, and the last OOM error is its `__cause__`. Also at the start
             under a multi-worker `MultiWorkerMirroredStrategy`, which it does not support.
 
@@ -285,59 +420,84 @@ def fit_with_oom_retry(
     events: list[dict] = []
     fitting = model
     epoch = initial_epoch
-    while True:
-        try:
-            fitting.fit(
-                x,
-                y,
-                batch_size=batch_size,
-                epochs=epochs,
-                initial_epoch=epoch,
-                callbacks=callbacks,
-                verbose=verbose,
-                **fit_kwargs,
-            )
-            break
-        except Exception as exc:
-            if not _backend.is_oom(exc):
-                raise
-            in_progress = callbacks.epoch_in_progress()
-            failed = callbacks.begun_epoch if in_progress else (
-                epoch if callbacks.completed_epoch is None else callbacks.completed_epoch + 1
-            )
-            current = _microbatches(fitting)
-            events.append(
-                {"epoch": failed, "batch_size": batch, "microbatches": current, "error": _error_text(exc)}
-            )
-            reason = _cannot_microbatch(fitting, array_input)
-            nxt = current * 2
-            if reason is None and len(events) > max_retries:
-                reason = f"max_retries={max_retries} recoveries were used up."
-            if reason is None and batch is not None:
-                if current >= batch:
-                    reason = "each micro-batch is already a single example."
-                elif math.ceil(batch / nxt) < min_batch_size:
-                    reason = (
-                        f"the next micro-batch ({math.ceil(batch / nxt)} examples) would be below "
-                        f"min_batch_size={min_batch_size}."
+    accumulation = _Accumulation(model) if _accumulates(model, array_input) else None
+    try:
+        while True:
+            try:
+                fitting.fit(
+                    x,
+                    y,
+                    batch_size=batch_size,
+                    epochs=epochs,
+                    initial_epoch=epoch,
+                    callbacks=callbacks,
+                    verbose=verbose,
+                    **fit_kwargs,
+                )
+                break
+            except Exception as exc:
+                if not _backend.is_oom(exc):
+                    raise
+                in_progress = callbacks.epoch_in_progress()
+                failed = (
+                    callbacks.begun_epoch
+                    if in_progress
+                    else (
+                        epoch
+                        if callbacks.completed_epoch is None
+                        else callbacks.completed_epoch + 1
                     )
-            if reason is not None:
-                raise RuntimeError(
-                    f"fit_with_oom_retry gave up after {len(events)} out-of-memory error(s): {reason} "
-                    f"Tried: {_tried(events, batch)}. Last error: {events[-1]['error']}. Use a "
-                    "smaller batch_size or model, or free accelerator memory."
-                ) from exc
-        # Outside the `except` block, so that the failed step's traceback (and the tensors
-        # its frames hold) is released before memory is cleared.
-        if in_progress:
-            _restore(callbacks.snapshot)
-        _backend.clear_memory()
-        if isinstance(fitting, LossScaleTrainStep):
-            fitting.microbatches = nxt
-        else:
-            fitting = loss_scaled(fitting, microbatches=nxt)
-        callbacks.set_model(fitting)
-        epoch = failed
+                )
+                current = accumulation.k if accumulation is not None else _microbatches(fitting)
+                events.append(
+                    {
+                        "epoch": failed,
+                        "batch_size": batch,
+                        "microbatches": current,
+                        "error": _error_text(exc),
+                    }
+                )
+                nxt = current * 2
+                reason = _why_not_retry(
+                    fitting,
+                    array_input,
+                    accumulation,
+                    batch,
+                    nxt,
+                    len(events),
+                    max_retries,
+                    min_batch_size,
+                )
+                if reason is not None:
+                    if in_progress:
+                        # Leave the model as it was when the failed epoch began (on JAX the
+                        # failed call may have left its variables without values).
+                        _restore(callbacks.snapshot)
+                    raise RuntimeError(
+                        f"fit_with_oom_retry gave up after {len(events)} out-of-memory error(s): {reason} "
+                        f"Tried: {_tried(events, batch)}. Last error: {events[-1]['error']}. Use a "
+                        "smaller batch_size or model, or free accelerator memory."
+                    ) from exc
+            # Outside the `except` block, so that the failed step's traceback (and the tensors
+            # its frames hold) is released before memory is cleared.
+            if in_progress:
+                _restore(callbacks.snapshot)
+            _backend.clear_memory()
+            if accumulation is not None:
+                accumulation.set(nxt)
+                batch_size = batch // nxt
+                callbacks.set_params(
+                    dict(callbacks.params or {}, steps=_steps(x, batch_size, fit_kwargs))
+                )
+            elif isinstance(fitting, LossScaleTrainStep):
+                fitting.microbatches = nxt
+            else:
+                fitting = loss_scaled(fitting, microbatches=nxt)
+            callbacks.set_model(fitting)
+            epoch = failed
+    finally:
+        if accumulation is not None:
+            accumulation.finish()  # the user's optimizer gets the trained state back
 
     history = next(cb for cb in callbacks.callbacks if isinstance(cb, keras.callbacks.History))
     history.oom_events = events

@@ -37,7 +37,12 @@ class OOMAbove(keras.layers.Layer):
 
     def __init__(self, threshold=None, from_call=0, max_raises=None, error=None, **kwargs):
         super().__init__(**kwargs)
-        self.threshold, self.from_call, self.max_raises, self.error = threshold, from_call, max_raises, error
+        self.threshold, self.from_call, self.max_raises, self.error = (
+            threshold,
+            from_call,
+            max_raises,
+            error,
+        )
         self.calls, self.raised, self.sizes = 0, [], []
 
     def call(self, x, training=False):
@@ -121,7 +126,9 @@ def test_mid_epoch_oom_recovers_exactly(kind):
     h1 = twin.fit(x, y, batch_size=16, epochs=2, initial_epoch=1, shuffle=False, verbose=0)
 
     assert _max_diff(model, ref) < 1e-5
-    np.testing.assert_allclose(h.history["loss"], h0.history["loss"] + h1.history["loss"], rtol=1e-5)
+    np.testing.assert_allclose(
+        h.history["loss"], h0.history["loss"] + h1.history["loss"], rtol=1e-5
+    )
     assert h.epoch == [0, 1]
     assert len(layer.raised) == 1
     assert [(e["epoch"], e["batch_size"], e["microbatches"]) for e in h.oom_events] == [(1, 16, 1)]
@@ -155,12 +162,19 @@ def test_repeated_ooms_double_until_it_fits_and_validation_runs_once_per_epoch()
     model, layer = _model(threshold=4)  # 16 -> 8 -> 4 fits
     _compile(model)
     h = kp.fit_with_oom_retry(
-        model, x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, validation_data=(x[:8], y[:8])
+        model,
+        x,
+        y,
+        batch_size=16,
+        epochs=2,
+        shuffle=False,
+        verbose=0,
+        validation_data=(x[:8], y[:8]),
     )
     assert [e["microbatches"] for e in h.oom_events] == [1, 2]
     assert {e["epoch"] for e in h.oom_events} == {0}
     assert len(h.history["val_loss"]) == 2 and len(h.history["loss"]) == 2
-    assert h.model.microbatches == 4 and max(layer.sizes[len(layer.raised):]) <= 4
+    assert h.model.microbatches == 4 and max(layer.sizes[len(layer.raised) :]) <= 4
 
 
 @pytest.mark.backends("jax", "torch")
@@ -182,7 +196,9 @@ def test_gives_up_below_min_batch_size():
     x, y = _data(n=16)
     model, _ = _model(threshold=0)  # nothing fits
     _compile(model)
-    with pytest.raises(RuntimeError, match=r"min_batch_size=4.*Tried: epoch 0: batch 16 in 1") as info:
+    with pytest.raises(
+        RuntimeError, match=r"min_batch_size=4.*Tried: epoch 0: batch 16 in 1"
+    ) as info:
         kp.fit_with_oom_retry(model, x, y, batch_size=16, min_batch_size=4, verbose=0)
     assert "micro-batch(es) of 4" in str(info.value)  # 16, 8, 4 tried; 2 would be below 4
     assert kp.backend.is_oom(info.value)  # the last OOM error is its cause
@@ -192,9 +208,16 @@ def test_gives_up_after_max_retries():
     x, y = _data(n=16)
     model, layer = _model(threshold=0)
     _compile(model)
+    before = model.get_weights()
     with pytest.raises(RuntimeError, match=r"max_retries=1 recoveries were used up"):
         kp.fit_with_oom_retry(model, x, y, batch_size=16, max_retries=1, verbose=0)
     assert len(layer.raised) == 2
+    # The model is left as the failed epoch found it, usable (on JAX too, where the failed
+    # call can leave variables without values).
+    for w, w0 in zip(model.get_weights(), before):
+        np.testing.assert_array_equal(w, w0)
+    layer.threshold = None
+    assert np.isfinite(model.evaluate(x, y, verbose=0))
 
 
 def test_non_oom_exception_propagates_unchanged():
@@ -213,20 +236,93 @@ def test_non_oom_exception_propagates_unchanged():
     assert model.layers[1].calls == 1
 
 
-def test_subclassed_stock_model_says_how_to_fix():
-    class Net(keras.Model):
-        def __init__(self):
-            super().__init__()
-            self.oom = OOMAbove(threshold=0)
-            self.out = keras.layers.Dense(3)
+class Net(keras.Model):
+    """A subclassed stock model (no keras-perf train step) with an OOM-injecting layer."""
 
-        def call(self, x, training=False):
-            return self.out(self.oom(x, training=training))
+    def __init__(self, seed=0, **oom):
+        super().__init__()
+        keras.utils.set_random_seed(seed)
+        self.hidden = keras.layers.Dense(8, activation="tanh")
+        self.oom = OOMAbove(**oom)
+        self.out = keras.layers.Dense(3)
 
+    def call(self, x, training=False):
+        return self.out(self.oom(self.hidden(x), training=training))
+
+
+def test_subclassed_stock_model_recovers_with_smaller_batches_and_accumulation():
+    # 64 examples, batch 16: 4 steps per epoch. Call 5 (epoch 1, step 1) runs out of memory
+    # after one update of epoch 1: the epoch restarts from its snapshot with batches of 8,
+    # two accumulated per update, which is the same update as one batch of 16.
+    x, y = _data(n=64)
+    model = _compile(Net(threshold=8, from_call=5), eager=True)
+    model.fit(x[:16], y[:16], batch_size=16, epochs=0, verbose=0)  # builds the optimizer
+    optimizer = model.optimizer
+    rec = Recorder()
+    h = kp.fit_with_oom_retry(
+        model, x, y, batch_size=16, epochs=3, shuffle=False, verbose=0, callbacks=[rec]
+    )
+
+    ref = _compile(Net(), eager=False)
+    h_ref = ref.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
+    assert _max_diff(model, ref) < 1e-5
+    np.testing.assert_allclose(h.history["loss"], h_ref.history["loss"], rtol=1e-5)
+    assert [(e["epoch"], e["batch_size"], e["microbatches"]) for e in h.oom_events] == [(1, 16, 1)]
+    assert model.oom.sizes[5:] == [16] + [8] * 16  # the failed call, then two epochs of 8 x 8
+    assert rec.epochs_ended == [0, 1, 2] and rec.train_begin == rec.train_end == 1
+    # The user's optimizer is back, with the state of 12 updates and no accumulators left.
+    assert model.optimizer is optimizer and not optimizer.gradient_accumulation_steps
+    assert int(optimizer.iterations) == int(ref.optimizer.iterations) == 12
+    assert len(optimizer.variables) == len(ref.optimizer.variables)
+    for a, b in zip(optimizer.variables, ref.optimizer.variables):
+        np.testing.assert_allclose(
+            keras.ops.convert_to_numpy(a), keras.ops.convert_to_numpy(b), atol=1e-5
+        )
+    # Training goes on with the original batch, as before the OOM (the injection disarmed).
+    model.oom.threshold = None
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    ref.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert _max_diff(model, ref) < 1e-5
+
+
+def test_accumulation_gives_up_when_the_batch_does_not_split_evenly():
+    x, y = _data(n=24)
+    model = _compile(Net(threshold=2), eager=True)
+    with pytest.raises(
+        RuntimeError, match=r"batch_size=12 cannot be cut into 8 equal batches"
+    ) as info:
+        kp.fit_with_oom_retry(model, x, y, batch_size=12, verbose=0)
+    assert "batch 12 in 4 micro-batch(es) of 3" in str(info.value)  # 12, then 2 x 6, then 4 x 3
+    assert not model.optimizer.gradient_accumulation_steps
+
+
+class Batches(keras.utils.PyDataset):
+    def __init__(self, x, y, batch_size):
+        super().__init__()
+        self.x, self.y, self.batch_size = x, y, batch_size
+
+    def __len__(self):
+        return len(self.x) // self.batch_size
+
+    def __getitem__(self, i):
+        sl = slice(i * self.batch_size, (i + 1) * self.batch_size)
+        return self.x[sl], self.y[sl]
+
+
+@pytest.mark.parametrize("case", ["pydataset", "loss_scale_optimizer"])
+def test_subclassed_stock_model_that_cannot_recover_says_how_to_fix(case):
     x, y = _data(n=16)
-    model = _compile(Net())
-    with pytest.raises(RuntimeError, match=r"kp.LossScaleTrainStep, keras.Model"):
-        kp.fit_with_oom_retry(model, x, y, batch_size=16, verbose=0)
+    model = Net(threshold=0)
+    if case == "pydataset":
+        model.compile(keras.optimizers.Adam(0.01), SCE, run_eagerly=EAGER)
+        data, match = {"x": Batches(x, y, 8)}, r"cannot be re-batched"
+    else:
+        optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01))
+        model.compile(optimizer, SCE, run_eagerly=EAGER)
+        data, match = {"x": x, "y": y, "batch_size": 16}, r"LossScaleOptimizer"
+    with pytest.raises(RuntimeError, match=match) as info:
+        kp.fit_with_oom_retry(model, verbose=0, **data)
+    assert "kp.LossScaleTrainStep, keras.Model" in str(info.value)
 
 
 @pytest.mark.backends("tensorflow")
@@ -320,19 +416,28 @@ def test_jax_failure_inside_compiled_step_with_donated_buffers():
         def _check(self):
             self.count += 1
             if self.count == self.fail_at:
-                raise kp.backend.oom_error("Out of memory while trying to allocate 1.0GiB (injected).")
+                raise kp.backend.oom_error(
+                    "Out of memory while trying to allocate 1.0GiB (injected)."
+                )
             return np.float32(0.0)
 
         def call(self, x, training=False):
             if not training or x.shape[0] is None or x.shape[0] <= 8:
                 return x
-            z = jax.experimental.io_callback(self._check, jax.ShapeDtypeStruct((), "float32"), ordered=True)
+            z = jax.experimental.io_callback(
+                self._check, jax.ShapeDtypeStruct((), "float32"), ordered=True
+            )
             return x + z
 
     def build(fail_at):
         keras.utils.set_random_seed(0)
         model = keras.Sequential(
-            [keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), HostOOM(fail_at), keras.layers.Dense(3)]
+            [
+                keras.Input((6,)),
+                keras.layers.Dense(8, activation="tanh"),
+                HostOOM(fail_at),
+                keras.layers.Dense(3),
+            ]
         )
         return _compile(model, eager=False)
 
@@ -341,6 +446,8 @@ def test_jax_failure_inside_compiled_step_with_donated_buffers():
     h = kp.fit_with_oom_retry(model, x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
     ref = build(fail_at=0)
     ref.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
-    kp.loss_scaled(ref, microbatches=2).fit(x, y, batch_size=16, epochs=2, initial_epoch=1, shuffle=False, verbose=0)
+    kp.loss_scaled(ref, microbatches=2).fit(
+        x, y, batch_size=16, epochs=2, initial_epoch=1, shuffle=False, verbose=0
+    )
     assert [(e["epoch"], e["microbatches"]) for e in h.oom_events] == [(1, 1)]
     assert _max_diff(model, ref) < 1e-5 and h.epoch == [0, 1]

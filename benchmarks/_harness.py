@@ -5,6 +5,10 @@ variants alternated A B B A (so drift and warm-up hit both alike), repeated, and
 the median. Wall time and process CPU time (`time.process_time()`) are both recorded: on a shared
 machine wall time is noisy, CPU time of the same work much less so.
 
+A claim about the time of one training step can use `interleaved(...)` with `one_step(...)`
+instead: single compiled steps alternated step by step, which resolves a few percent where
+whole epochs of `fit` (with its loop around the step) cannot on a shared machine.
+
 A script calls `abba(...)` per claim, builds rows with `row(...)`, and ends with
 `finish(rows, args)`, which prints a table and, with `--json PATH`, writes the rows for
 `keras-perf bench`.
@@ -53,6 +57,92 @@ def abba(baseline: Callable[[], object], candidate: Callable[[], object], repeat
         wall.append((b1[0] + b2[0]) / (a1[0] + a2[0]))
         cpu.append((b1[1] + b2[1]) / max(a1[1] + a2[1], 1e-9))
     return summarize(wall, cpu)
+
+
+def one_step(model, x, y) -> Callable[[], object]:
+    """A callable running one step of `model`'s own compiled train function on (x, y).
+
+    The same function `fit` calls per batch (built by `model.make_train_function()`), without
+    `fit`'s loop around it, and it waits for the step to finish. `model` must be compiled and
+    have been fitted once (so it is built and the function traced). On JAX the state travels
+    from call to call as in `fit` (donated buffers); the model's variables are not updated.
+    """
+    import keras
+
+    backend = keras.backend.backend()
+    model.make_train_function()
+    fn = model.train_function
+    if backend == "tensorflow":
+        import tensorflow as tf
+
+        data = (tf.constant(x), tf.constant(y))
+
+        def run():
+            return [v.numpy() for v in tf.nest.flatten(fn(iter([data])))]
+
+    elif backend == "jax":
+        import jax
+
+        data = (jax.numpy.asarray(x), jax.numpy.asarray(y))
+        state = [
+            [jax.numpy.array(v.value) for v in variables]
+            for variables in (
+                model.trainable_variables,
+                model.non_trainable_variables,
+                model.optimizer.variables,
+                model.metrics_variables,
+            )
+        ]
+        holder = {"state": tuple(state)}
+
+        def run():
+            logs, holder["state"] = fn(holder["state"], iter([data]))
+            return jax.block_until_ready((logs, holder["state"]))
+
+    else:
+        data = (keras.ops.convert_to_tensor(x), keras.ops.convert_to_tensor(y))
+
+        def run():
+            return {k: float(v) for k, v in fn([data]).items()}
+
+    return run
+
+
+def interleaved(
+    baseline: Callable[[], object],
+    candidate: Callable[[], object],
+    steps: int = 400,
+    blocks: int = 8,
+) -> dict:
+    """Time single steps of `candidate` against `baseline`, alternating step by step.
+
+    Steps alternate A B, B A, ... so that load changing on the machine hits both alike. The
+    steps are cut into `blocks` consecutive blocks; each block gives the ratio of the median
+    step times (wall and CPU), and the result is the median over blocks with their spread.
+    Both callables must be warmed up (compiled).
+    """
+    times: dict[str, list[tuple[float, float]]] = {"a": [], "b": []}
+    for i in range(steps):
+        order = (
+            (("a", baseline), ("b", candidate))
+            if i % 2 == 0
+            else (("b", candidate), ("a", baseline))
+        )
+        for key, fn in order:
+            times[key].append(timed(fn))
+    per = max(steps // blocks, 1)
+    wall, cpu = [], []
+    for start in range(0, per * blocks, per):
+        a, b = times["a"][start : start + per], times["b"][start : start + per]
+        if not a:
+            break
+        wall.append(statistics.median(t[0] for t in b) / statistics.median(t[0] for t in a))
+        cpu.append(
+            statistics.median(t[1] for t in b) / max(statistics.median(t[1] for t in a), 1e-9)
+        )
+    result = summarize(wall, cpu)
+    result["step_ms"] = 1e3 * statistics.median(t[0] for t in times["a"])
+    return result
 
 
 def summarize(wall: list[float], cpu: list[float]) -> dict:

@@ -139,7 +139,9 @@ def main():
     def fit_epoch(model, target):
         return lambda: model.fit(x, target, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
 
-    online = kp.DistillationModel(mlp([512, 512], "student_online"), teacher, temperature=T, alpha=ALPHA)
+    online = kp.DistillationModel(
+        mlp([512, 512], "student_online"), teacher, temperature=T, alpha=ALPHA
+    )
     online.compile(keras.optimizers.Adam(1e-3))
     run_online = fit_epoch(online, y)
     run_online()
@@ -150,28 +152,50 @@ def main():
             (ops.convert_to_tensor(x[i : i + BATCH]), ops.convert_to_tensor(y[i : i + BATCH]))
             for i in range(0, n, BATCH)
         ]
-        hand = (hand_epoch_tf if backend == "tensorflow" else hand_epoch_jax)(student, teacher, batches)
+        hand = (hand_epoch_tf if backend == "tensorflow" else hand_epoch_jax)(
+            student, teacher, batches
+        )
         hand()
         res = _harness.abba(hand, run_online, repeats=repeats)
-        rows.append(_harness.row("DistillationModel.fit epoch / hand-written compiled step", res, "<= 1.05",
-                                 note=f"n={n}, batch {BATCH}"))
+        rows.append(
+            _harness.row(
+                "DistillationModel.fit epoch / hand-written compiled step",
+                res,
+                "<= 1.05",
+                note=f"n={n}, batch {BATCH}",
+            )
+        )
 
     stock = StockStepKD(mlp([512, 512], "student_stock"), teacher)
     stock.compile(keras.optimizers.Adam(1e-3))
     run_stock = fit_epoch(stock, y)
     run_stock()
     res = _harness.abba(run_stock, run_online, repeats=repeats)
-    rows.append(_harness.row("(split) DistillationModel.fit / same math in a stock-step fit", res, "-",
-                             note="what our train step adds; the rest of the gap is fit itself"))
+    rows.append(
+        _harness.row(
+            "(split) DistillationModel.fit / same math in a stock-step fit",
+            res,
+            "-",
+            note="what our train step adds; the rest of the gap is fit itself",
+        )
+    )
 
     logits = kp.precompute_teacher_logits(teacher, x, batch_size=BATCH)
-    offline = kp.DistillationModel(mlp([512, 512], "student_offline"), None, temperature=T, alpha=ALPHA)
+    offline = kp.DistillationModel(
+        mlp([512, 512], "student_offline"), None, temperature=T, alpha=ALPHA
+    )
     offline.compile(keras.optimizers.Adam(1e-3))
     run_offline = fit_epoch(offline, (y, logits))
     run_offline()
     res = _harness.abba(run_online, run_offline, repeats=repeats)
-    rows.append(_harness.row("offline epoch / online epoch (teacher ~4x student)", res, "<= 0.67",
-                             note=f"n={n}; precompute once: not counted"))
+    rows.append(
+        _harness.row(
+            "offline epoch / online epoch (teacher ~4x student)",
+            res,
+            "<= 0.67",
+            note=f"n={n}; precompute once: not counted",
+        )
+    )
     _harness.finish(rows, args)
 
 

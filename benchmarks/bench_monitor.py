@@ -93,8 +93,14 @@ def _hook_cost(monitor_cls, model, x, y, batch, epochs, repeats, tmp) -> dict:
 
         return wrapper
 
-    names = ("on_train_begin", "on_epoch_begin", "on_train_batch_end", "on_test_begin",
-             "on_test_end", "on_epoch_end")
+    names = (
+        "on_train_begin",
+        "on_epoch_begin",
+        "on_train_batch_end",
+        "on_test_begin",
+        "on_test_end",
+        "on_epoch_end",
+    )
     timed_cls = type("TimedMonitor", (monitor_cls,), {n: timed_hook(n) for n in names})
     mon = timed_cls(log_path=os.path.join(tmp, "hooks.jsonl"))
     wall, cpu = [], []

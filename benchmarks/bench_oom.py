@@ -37,7 +37,9 @@ def mlp(seed=0):
             keras.layers.Dense(10),
         ]
     )
-    model.compile(keras.optimizers.Adam(1e-3), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.compile(
+        keras.optimizers.Adam(1e-3), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
     return model
 
 
@@ -82,7 +84,9 @@ def main():
         m.fit(x, y, batch_size=batch, epochs=1, verbose=0)
 
     def recovering():
-        h = kp.fit_with_oom_retry(mlp(), x, y, batch_size=batch, epochs=1, verbose=0, callbacks=[OOMAtFirstStep()])
+        h = kp.fit_with_oom_retry(
+            mlp(), x, y, batch_size=batch, epochs=1, verbose=0, callbacks=[OOMAtFirstStep()]
+        )
         if [e["microbatches"] for e in h.oom_events] != [1]:
             raise RuntimeError(f"expected one OOM event, got {h.oom_events}")
 

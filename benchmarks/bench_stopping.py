@@ -60,8 +60,16 @@ def fitter(m, data, epochs, make_callbacks):
     (x, y), val = data
 
     def run():
-        m.fit(x, y, validation_data=val, batch_size=32, epochs=epochs, shuffle=False,
-              callbacks=make_callbacks(), verbose=0)
+        m.fit(
+            x,
+            y,
+            validation_data=val,
+            batch_size=32,
+            epochs=epochs,
+            shuffle=False,
+            callbacks=make_callbacks(),
+            verbose=0,
+        )
 
     return run
 
@@ -82,8 +90,11 @@ def hook_cost(data, calls: int) -> dict:
     m.fit(x, y, validation_data=val, batch_size=32, epochs=1, verbose=0)  # compile
     epochs = []
     for _ in range(5):
-        epochs.append(_harness.timed(lambda: m.fit(x, y, validation_data=val, batch_size=32,
-                                                   epochs=1, verbose=0)))
+        epochs.append(
+            _harness.timed(
+                lambda: m.fit(x, y, validation_data=val, batch_size=32, epochs=1, verbose=0)
+            )
+        )
     epoch_wall = statistics.median(e[0] for e in epochs)
     epoch_cpu = statistics.median(e[1] for e in epochs)
     steps = -(-len(x) // 32)
@@ -111,8 +122,9 @@ def hook_cost(data, calls: int) -> dict:
         "repeats": calls,
     }
     note = f"hooks {hook_wall * 1e6:.0f} us/epoch vs epoch {epoch_wall * 1e3:.0f} ms"
-    return _harness.row("hook time per epoch / epoch time (both callbacks)", result, "<= 1.01",
-                        note=note)
+    return _harness.row(
+        "hook time per epoch / epoch time (both callbacks)", result, "<= 1.01", note=note
+    )
 
 
 def main() -> None:
@@ -126,19 +138,25 @@ def main() -> None:
     rows = [
         compare(
             "EarlyStopping + TimeLimit vs no callback",
-            data, epochs, repeats,
+            data,
+            epochs,
+            repeats,
             lambda: [],
             lambda: [kp.EarlyStopping(patience=NEVER), kp.TimeLimit(NEVER)],
         ),
         compare(
             "kp vs keras EarlyStopping (restore_best_weights)",
-            data, epochs, repeats,
+            data,
+            epochs,
+            repeats,
             lambda: [keras.callbacks.EarlyStopping(patience=NEVER, restore_best_weights=True)],
             lambda: [kp.EarlyStopping(patience=NEVER, restore_best_weights=True)],
         ),
         compare(
             "TimeLimit(granularity='batch') vs no callback",
-            data, epochs, repeats,
+            data,
+            epochs,
+            repeats,
             lambda: [],
             lambda: [kp.TimeLimit(NEVER, granularity="batch")],
         ),

@@ -83,20 +83,35 @@ def main() -> None:
     after = kp.compression_report(model)["total"]
     pruned_acc = float(np.mean(model.predict(xv, verbose=0).argmax(1) == yv))
 
-    print(f"backend {keras.backend.backend()}, keras {keras.__version__}, "
-          f"Keras test accuracy {keras_acc:.4f}, params {before['params']}")
+    print(
+        f"backend {keras.backend.backend()}, keras {keras.__version__}, "
+        f"Keras test accuracy {keras_acc:.4f}, params {before['params']}"
+    )
     print(f"{'mode':>8} {'in/out':>15} {'bytes':>8} {'gzip':>8} {'accuracy':>9} {'agree':>7}")
     for r in rows:
-        print(f"{r['quantization']:>8} {r['io']:>15} {r['bytes']:>8} {r['gzip_bytes']:>8} "
-              f"{r['accuracy']:>9.4f} {r['agreement']:>7.4f}")
+        print(
+            f"{r['quantization']:>8} {r['io']:>15} {r['bytes']:>8} {r['gzip_bytes']:>8} "
+            f"{r['accuracy']:>9.4f} {r['agreement']:>7.4f}"
+        )
     for name, t in (("dense", before), ("pruned 80%", after)):
-        print(f"compression_report {name:>10}: params {t['params']} nonzero {t['nonzero']} "
-              f"bytes {t['bytes']} gzip {t['gzip_bytes']} (x{t['compression_ratio']:.2f})")
+        print(
+            f"compression_report {name:>10}: params {t['params']} nonzero {t['nonzero']} "
+            f"bytes {t['bytes']} gzip {t['gzip_bytes']} (x{t['compression_ratio']:.2f})"
+        )
     print(f"accuracy after one-shot 80% pruning (no fine-tuning): {pruned_acc:.4f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"keras_accuracy": keras_acc, "modes": rows, "dense": before,
-                       "pruned": after, "pruned_accuracy": pruned_acc}, f, indent=2)
+            json.dump(
+                {
+                    "keras_accuracy": keras_acc,
+                    "modes": rows,
+                    "dense": before,
+                    "pruned": after,
+                    "pruned_accuracy": pruned_acc,
+                },
+                f,
+                indent=2,
+            )
 
 
 if __name__ == "__main__":

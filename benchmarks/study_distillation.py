@@ -71,7 +71,9 @@ def run_student(seed, train, test, teacher, temperature, alpha, epochs):
     student = mlp([16], "student")
     read = ReadAt(student, *test, EPOCHS if epochs == max(EPOCHS) else [epochs])
     if teacher is None:  # student alone, on labels
-        student.compile(keras.optimizers.Adam(LR), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        student.compile(
+            keras.optimizers.Adam(LR), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+        )
         student.fit(*train, batch_size=BATCH, epochs=epochs, verbose=0, callbacks=[read])
     else:
         model = kp.DistillationModel(student, teacher, temperature=temperature, alpha=alpha)
@@ -95,9 +97,14 @@ def main():
     for seed in seeds:
         keras.utils.set_random_seed(seed)
         teacher = mlp([256, 256], "teacher")
-        teacher.compile(keras.optimizers.Adam(1e-3), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        teacher.compile(
+            keras.optimizers.Adam(1e-3),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
         teacher.fit(*train, batch_size=64, epochs=60, verbose=0)
-        rows.append({"seed": seed, "variant": "teacher 256-256", "acc": {"-": accuracy(teacher, *test)}})
+        rows.append(
+            {"seed": seed, "variant": "teacher 256-256", "acc": {"-": accuracy(teacher, *test)}}
+        )
         acc = run_student(seed, train, test, None, None, None, epochs_max)
         rows.append({"seed": seed, "variant": "student alone", "acc": acc})
         for t in temps:
@@ -106,21 +113,33 @@ def main():
                     continue
                 acc = run_student(seed, train, test, teacher, t, a, epochs_max)
                 rows.append({"seed": seed, "variant": f"KD T={t:g} alpha={a:g}", "acc": acc})
-                print(f"[{time.time() - t0:6.0f}s] seed {seed} T={t:g} alpha={a:g}: {acc}", flush=True)
+                print(
+                    f"[{time.time() - t0:6.0f}s] seed {seed} T={t:g} alpha={a:g}: {acc}", flush=True
+                )
         keras.backend.clear_session()
     table = summarise(rows)
     print(table)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"backend": keras.backend.backend(), "keras": keras.__version__, "rows": rows,
-                       "seconds": time.time() - t0}, f, indent=1)
+            json.dump(
+                {
+                    "backend": keras.backend.backend(),
+                    "keras": keras.__version__,
+                    "rows": rows,
+                    "seconds": time.time() - t0,
+                },
+                f,
+                indent=1,
+            )
 
 
 def summarise(rows):
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     cols = sorted({k for r in rows for k in r["acc"] if k != "-"}, key=int)
-    lines = ["| variant | " + " | ".join(f"epoch {c}" for c in cols) + " |",
-             "|---|" + "---|" * len(cols)]
+    lines = [
+        "| variant | " + " | ".join(f"epoch {c}" for c in cols) + " |",
+        "|---|" + "---|" * len(cols),
+    ]
     for v in variants:
         cells = []
         for c in cols if v != "teacher 256-256" else ["-"]:

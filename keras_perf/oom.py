@@ -172,13 +172,37 @@ def _copy_optimizer_state(source, target) -> None:
             acc.assign(keras.ops.zeros(acc.shape, acc.dtype))
 
 
+@keras.saving.register_keras_serializable(package="keras_perf")
+class PerUpdateSchedule(keras.optimizers.schedules.LearningRateSchedule):
+    """A learning-rate schedule read at the update count of an accumulating optimizer.
+
+    Keras' optimizer with `gradient_accumulation_steps=k` evaluates its schedule at the count
+    of accumulated batches (k per update), which would run the schedule k times too fast;
+    this reads `schedule` at `step // k`, the number of updates.
+    """
+
+    def __init__(self, schedule, steps: int):
+        self.schedule, self.steps = schedule, int(steps)
+
+    def __call__(self, step):
+        return self.schedule(step // self.steps)
+
+    def get_config(self):
+        return {"schedule": keras.saving.serialize_keras_object(self.schedule), "steps": self.steps}
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(keras.saving.deserialize_keras_object(config["schedule"]), config["steps"])
+
+
 class _Accumulation:
     """Gradient accumulation for a stock model fed arrays: batches of batch_size/k, k per update.
 
     The user's optimizer is not changed in structure: while the run needs accumulation the
     model trains with a copy built with `gradient_accumulation_steps=k` (Keras averages the k
-    gradients and applies them once; its learning rate and `iterations` count updates, not
-    batches), and the state is handed back to the user's optimizer when the run ends.
+    gradients and applies them once; its `iterations` counts updates, and a learning-rate
+    schedule is read at the update count too, see `PerUpdateSchedule`), and the state is
+    handed back to the user's optimizer when the run ends.
     """
 
     def __init__(self, model):
@@ -205,9 +229,12 @@ class _Accumulation:
         if k == 1:
             target = self.original
         else:
-            config = dict(current.get_config(), gradient_accumulation_steps=k)
+            config = dict(self.original.get_config(), gradient_accumulation_steps=k)
             with _backend.model_scope(self.model):
                 target = type(self.original).from_config(config)
+            schedule = self.original._learning_rate
+            if isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule):
+                target._learning_rate = PerUpdateSchedule(schedule, k)
             target._kp_copy = True
         if current.built and not target.built:
             # (Unbuilt when the OOM came before the first update: Keras builds it then.)

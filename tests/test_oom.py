@@ -74,6 +74,7 @@ def _compile(model, eager=EAGER):
     return model
 
 
+
 def _data(n=64, seed=0):
     rng = np.random.default_rng(seed)
     return rng.normal(size=(n, 6)).astype("float32"), rng.integers(0, 3, n)
@@ -250,12 +251,22 @@ class Net(keras.Model):
         return self.out(self.oom(self.hidden(x), training=training))
 
 
-def test_subclassed_stock_model_recovers_with_smaller_batches_and_accumulation():
+def _schedule_compile(model, eager):
+    # Halves every 2 updates: a schedule read at the count of accumulated batches (Keras'
+    # own behaviour under gradient_accumulation_steps) would decay twice as fast.
+    lr = keras.optimizers.schedules.ExponentialDecay(0.02, decay_steps=2, decay_rate=0.5)
+    model.compile(keras.optimizers.Adam(lr), SCE, run_eagerly=eager)
+    return model
+
+
+@pytest.mark.parametrize("lr", ["constant", "schedule"])
+def test_subclassed_stock_model_recovers_with_smaller_batches_and_accumulation(lr):
     # 64 examples, batch 16: 4 steps per epoch. Call 5 (epoch 1, step 1) runs out of memory
     # after one update of epoch 1: the epoch restarts from its snapshot with batches of 8,
     # two accumulated per update, which is the same update as one batch of 16.
+    compile_ = _compile if lr == "constant" else _schedule_compile
     x, y = _data(n=64)
-    model = _compile(Net(threshold=8, from_call=5), eager=True)
+    model = compile_(Net(threshold=8, from_call=5), eager=True)
     model.fit(x[:16], y[:16], batch_size=16, epochs=0, verbose=0)  # builds the optimizer
     optimizer = model.optimizer
     rec = Recorder()
@@ -263,7 +274,7 @@ def test_subclassed_stock_model_recovers_with_smaller_batches_and_accumulation()
         model, x, y, batch_size=16, epochs=3, shuffle=False, verbose=0, callbacks=[rec]
     )
 
-    ref = _compile(Net(), eager=False)
+    ref = compile_(Net(), eager=False)
     h_ref = ref.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
     assert _max_diff(model, ref) < 1e-5
     np.testing.assert_allclose(h.history["loss"], h_ref.history["loss"], rtol=1e-5)

@@ -90,16 +90,19 @@ def overhead(name, build, x, y, batch_size, repeats, same=False):
     return _harness.row(f"train step vs stock fit, whole epochs ({name})", res, "(info)")
 
 
-def step_overhead(name, build, x, y, batch_size, steps, same=False):
+def per_step(baseline, candidate, x, y, batch_size, steps):
     """Single compiled train steps (the functions fit calls), alternated step by step."""
-    stock, ours = pair(build, same)
-    for model in (stock, ours):
+    for model in (baseline, candidate):
         model.fit(x[: 2 * batch_size], y[: 2 * batch_size], batch_size=batch_size, verbose=0)
-    a = _harness.one_step(stock, x[:batch_size], y[:batch_size])
-    b = _harness.one_step(ours, x[:batch_size], y[:batch_size])
-    for _ in range(5):
+    a = _harness.one_step(baseline, x[:batch_size], y[:batch_size])
+    b = _harness.one_step(candidate, x[:batch_size], y[:batch_size])
+    for _ in range(3):
         a(), b()
-    res = _harness.interleaved(a, b, steps)
+    return _harness.interleaved(a, b, steps)
+
+
+def step_overhead(name, build, x, y, batch_size, steps, same=False):
+    res = per_step(*pair(build, same), x, y, batch_size, steps)
     note = f"{res['step_ms']:.1f} ms/step (stock, wall), {steps} steps each"
     if same:
         return _harness.row(
@@ -114,13 +117,7 @@ def microbatch_cost(x, y, batch_size, steps, target="<= 1.25"):
     one = kp.loss_scaled(compiled(mlp()))
     keras.utils.set_random_seed(0)
     four = kp.loss_scaled(compiled(mlp()), microbatches=4)
-    for model in (one, four):
-        model.fit(x[: 2 * batch_size], y[: 2 * batch_size], batch_size=batch_size, verbose=0)
-    a = _harness.one_step(one, x[:batch_size], y[:batch_size])
-    b = _harness.one_step(four, x[:batch_size], y[:batch_size])
-    for _ in range(3):
-        a(), b()
-    res = _harness.interleaved(a, b, steps)
+    res = per_step(one, four, x, y, batch_size, steps)
     note = f"{res['step_ms']:.1f} ms/step (microbatches=1, wall), {steps} steps each"
     return _harness.row(
         f"microbatches=4 vs 1 step time (MLP, batch {batch_size})", res, target, note=note

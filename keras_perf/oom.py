@@ -139,6 +139,10 @@ def _steps(x, batch_size, fit_kwargs):
 
 
 # -- recovery -----------------------------------------------------------------------------
+# The accumulation route below reads three private attributes of Keras optimizers:
+# `_iterations` (the raw batch counter behind `iterations`), `_learning_rate` (the schedule
+# or variable behind `learning_rate`) and `_accumulated_gradients`. Checked on Keras 3.8-3.15;
+# the tests on every backend fail if they change.
 def _plain_variables(optimizer) -> list:
     """The optimizer's variables other than its step counter and gradient accumulators."""
     skip = {

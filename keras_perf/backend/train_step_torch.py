@@ -20,8 +20,8 @@ class TrainStep:
     @staticmethod
     def _kp_sum_of_squares(tensors):
         # torch directly: each keras.ops call costs tens of microseconds of Python on eager
-        # torch, and the generic version's reshape/cast/vdot per tensor added about 1 ms to
-        # a 20 ms MLP step on 2 CPU cores.
+        # torch (the generic version makes three per tensor). The pass over the gradients
+        # itself stays: about 3 % of a 784-1024-1024-10 MLP step on 2 CPU cores.
         flat = [t.reshape(-1) if t.dtype == torch.float32 else t.reshape(-1).float() for t in tensors]
         return torch.stack([torch.vdot(t, t) for t in flat]).sum()
 
@@ -60,12 +60,9 @@ class TrainStep:
                 )
                 if lso is not None:
                     self.optimizer.apply(grads, variables)
-                    self._kp_update_step_metrics(norm, finite)
                 elif bool(finite):  # the one host sync of this path (see the mixin's docstring)
                     self.optimizer.apply(grads, variables)
-                    self.grad_norm_tracker.update_state(norm)  # what the generic update does
-                else:
-                    self.skipped_steps_tracker.update_state(1)
+                self._kp_update_step_metrics(norm, finite)
         else:
             warnings.warn("The model does not have any trainable weights.", stacklevel=2)
 

@@ -19,6 +19,12 @@ Measured, on the backend picked by KERAS_BACKEND, in one process, alternated (pe
    land; a claim whose ratio sits inside it is not resolved by this machine.
 3. On a GPU/TPU only: peak device memory of one training step, `microbatches=4` vs 1, on an
    activation-heavy MLP (batch 1024, 4 x 4096 hidden). Target >= 2x lower. Skipped on CPU.
+4. The bare-framework floor, no target: the same MLP written as a hand-written training step
+   on the backend itself (benchmarks/_floors.py: `tf.function`, `jax.jit`, torch eager, Adam),
+   timed the same way. (a) with vs without the non-finite check (global gradient norm, update
+   only if finite), batch 128: what that check costs on the framework alone, against claim 1's
+   MLP; (b) 4 accumulated slices vs 1 batch of 512: what gradient accumulation costs on the
+   framework alone, against claim 2.
 
 Run: `python benchmarks/bench_train_step.py [--quick] [--json out.json]`.
 """
@@ -30,6 +36,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import _floors  # noqa: E402
 import _harness  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -124,6 +131,35 @@ def microbatch_cost(x, y, batch_size, steps, target="<= 1.25"):
     )
 
 
+def floor_rows(x, y, steps: int) -> list[dict]:
+    """Hand-written steps on the bare backend: the cost of the same extra work without Keras."""
+    n = len(x)
+    plain = _floors.raw_step(x[:128], y[:128])
+    checked = _floors.raw_step(x[:128], y[:128], check=True)
+    res = _harness.interleaved(plain, checked, steps)
+    rows = [
+        _harness.row(
+            "(floor) hand-written step + non-finite check vs hand-written step (MLP, batch 128)",
+            res,
+            "-",
+            note=f"{res['step_ms']:.1f} ms/step unchecked; read against the MLP row's <= 1.03",
+        )
+    ]
+    if n >= 512:
+        one = _floors.raw_step(x[:512], y[:512])
+        four = _floors.raw_step(x[:512], y[:512], slices=4)
+        res = _harness.interleaved(one, four, max(steps * 2 // 5, 8))
+        rows.append(
+            _harness.row(
+                "(floor) hand-written 4 accumulated slices vs 1 batch (MLP, batch 512)",
+                res,
+                "-",
+                note=f"{res['step_ms']:.1f} ms/step one batch; read against microbatches' <= 1.25",
+            )
+        )
+    return rows
+
+
 def peak_memory(microbatches: int) -> int | None:
     keras.utils.set_random_seed(0)
     model = kp.loss_scaled(compiled(mlp(4096, 4, 4096)), microbatches=microbatches)
@@ -163,6 +199,7 @@ def main() -> None:
     rows.append(microbatch_cost(x_flat, y, 512, 8 if args.quick else 160))
     if not args.quick:
         rows.append(microbatch_cost(x_flat, y, 128, 200, target="(info)"))
+    rows += floor_rows(x_flat, y, steps)
     if kb.has_accelerator():
         p1, p4 = peak_memory(1), peak_memory(4)
         if p1 and p4:

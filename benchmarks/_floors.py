@@ -1,0 +1,185 @@
+"""Hand-written training steps on the bare framework: the floor a Keras-level step sits on.
+
+`raw_step(x, y, slices, check)` returns a callable that runs one training step of an MLP
+(784-1024-1024-10 by default, ReLU, softmax cross-entropy, Adam 1e-3) written the way a user of
+the backend would write it, without Keras' model or `fit`: TensorFlow `tf.function` +
+`GradientTape`, JAX `jax.jit` + `jax.grad`, PyTorch `torch.nn` + `torch.optim.Adam`.
+
+- `slices=k` splits the batch into k equal slices and sums their gradients before one update
+  (hand-written gradient accumulation), as `microbatches=k` does.
+- `check=True` adds what the non-finite skip needs: the global gradient norm, and the update
+  applied only if it is finite.
+
+The ratios of these callables (4 slices / 1, checked / unchecked) say what the same work costs
+on the framework alone, so a Keras-level ratio can be read against it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+LR, B1, B2, EPS = 1e-3, 0.9, 0.999, 1e-7
+
+
+def _params(sizes, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for a, b in zip(sizes, sizes[1:]):
+        out.append(rng.normal(0, (2.0 / a) ** 0.5, (a, b)).astype("float32"))
+        out.append(np.zeros((b,), "float32"))
+    return out
+
+
+def raw_step(
+    x: np.ndarray,
+    y: np.ndarray,
+    slices: int = 1,
+    check: bool = False,
+    sizes=(784, 1024, 1024, 10),
+) -> Callable[[], object]:
+    """One training step on the bare backend picked by KERAS_BACKEND (see module docstring)."""
+    import keras
+
+    backend = keras.backend.backend()
+    if len(x) % slices:
+        raise ValueError(f"`slices` ({slices}) must divide the batch ({len(x)}).")
+    build = {"tensorflow": _tensorflow, "jax": _jax, "torch": _torch}[backend]
+    run = build(x, y.astype("int32"), slices, check, _params(list(sizes)))
+    for _ in range(3):  # trace / compile and warm up
+        run()
+    return run
+
+
+def _tensorflow(x, y, slices, check, params):
+    import tensorflow as tf
+
+    ws = [tf.Variable(p) for p in params]
+    ms = [tf.Variable(tf.zeros_like(p)) for p in params]
+    vs = [tf.Variable(tf.zeros_like(p)) for p in params]
+    t = tf.Variable(0.0)
+    xs, ys = tf.constant(x), tf.constant(y)
+    size = len(x) // slices
+
+    def loss(xb, yb):
+        h = xb
+        for i in range(0, len(ws), 2):
+            h = tf.matmul(h, ws[i]) + ws[i + 1]
+            if i + 2 < len(ws):
+                h = tf.nn.relu(h)
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(yb, h))
+
+    def update(grads):
+        t.assign_add(1.0)
+        lr = LR * tf.sqrt(1 - B2**t) / (1 - B1**t)
+        for w, m, v, g in zip(ws, ms, vs, grads):
+            m.assign_add((g - m) * (1 - B1))
+            v.assign_add((tf.square(g) - v) * (1 - B2))
+            w.assign_sub(lr * m / (tf.sqrt(v) + EPS))
+
+    @tf.function(autograph=False)
+    def step():
+        grads = None
+        for k in range(slices):
+            with tf.GradientTape() as tape:
+                part = loss(xs[k * size : (k + 1) * size], ys[k * size : (k + 1) * size])
+                part = part / slices if slices > 1 else part
+            g = tape.gradient(part, ws)
+            grads = g if grads is None else [a + b for a, b in zip(grads, g)]
+        if check:
+            norm = tf.sqrt(tf.add_n([2.0 * tf.nn.l2_loss(g) for g in grads]))
+
+            def apply():
+                update(grads)
+                return tf.constant(0)
+
+            tf.cond(tf.math.is_finite(norm), apply, lambda: tf.constant(0))
+        else:
+            update(grads)
+        return t.read_value()
+
+    return lambda: step().numpy()
+
+
+def _jax(x, y, slices, check, params):
+    import jax
+    import jax.numpy as jnp
+
+    size = len(x) // slices
+
+    def loss(ws, xb, yb):
+        h = xb
+        for i in range(0, len(ws), 2):
+            h = h @ ws[i] + ws[i + 1]
+            if i + 2 < len(ws):
+                h = jax.nn.relu(h)
+        logp = jax.nn.log_softmax(h)
+        return -jnp.mean(jnp.take_along_axis(logp, yb[:, None], axis=1))
+
+    grad = jax.grad(loss)
+
+    def update(state, grads):
+        ws, ms, vs, t = state
+        t = t + 1.0
+        lr = LR * jnp.sqrt(1 - B2**t) / (1 - B1**t)
+        ms = [m + (g - m) * (1 - B1) for m, g in zip(ms, grads)]
+        vs = [v + (g * g - v) * (1 - B2) for v, g in zip(vs, grads)]
+        ws = [w - lr * m / (jnp.sqrt(v) + EPS) for w, m, v in zip(ws, ms, vs)]
+        return ws, ms, vs, t
+
+    def step(state, xs, ys):
+        grads = None
+        for k in range(slices):
+            g = grad(state[0], xs[k * size : (k + 1) * size], ys[k * size : (k + 1) * size])
+            g = [a / slices for a in g] if slices > 1 else g
+            grads = g if grads is None else [a + b for a, b in zip(grads, g)]
+        if check:
+            norm = jnp.sqrt(sum(jnp.vdot(g, g) for g in grads))
+            return jax.lax.cond(jnp.isfinite(norm), update, lambda s, g: s, state, grads)
+        return update(state, grads)
+
+    step = jax.jit(step, donate_argnums=0)
+    ws = [jnp.asarray(p) for p in params]
+    holder = {"state": (ws, [jnp.zeros_like(w) for w in ws], [jnp.zeros_like(w) for w in ws],
+                        jnp.float32(0))}  # fmt: skip
+    xs, ys = jnp.asarray(x), jnp.asarray(y)
+
+    def run():
+        holder["state"] = step(holder["state"], xs, ys)
+        return jax.block_until_ready(holder["state"])
+
+    return run
+
+
+def _torch(x, y, slices, check, params):
+    import torch
+
+    sizes = [params[i].shape[0] for i in range(0, len(params), 2)] + [params[-1].shape[0]]
+    layers = []
+    for i, (a, b) in enumerate(zip(sizes, sizes[1:])):
+        lin = torch.nn.Linear(a, b)
+        with torch.no_grad():
+            lin.weight.copy_(torch.from_numpy(params[2 * i].T.copy()))
+            lin.bias.zero_()
+        layers += [lin, torch.nn.ReLU()]
+    net = torch.nn.Sequential(*layers[:-1])
+    opt = torch.optim.Adam(net.parameters(), lr=LR, betas=(B1, B2), eps=EPS)
+    xs, ys = torch.from_numpy(x), torch.from_numpy(y).long()
+    size = len(x) // slices
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    def run():
+        opt.zero_grad()
+        for k in range(slices):
+            part = loss_fn(net(xs[k * size : (k + 1) * size]), ys[k * size : (k + 1) * size])
+            (part / slices if slices > 1 else part).backward()
+        if check:
+            grads = [p.grad.reshape(-1) for p in net.parameters()]
+            norm = torch.stack([torch.vdot(g, g) for g in grads]).sum().sqrt()
+            if bool(torch.isfinite(norm)):
+                opt.step()
+        else:
+            opt.step()
+
+    return run

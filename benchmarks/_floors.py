@@ -3,7 +3,9 @@
 `raw_step(x, y, slices, check)` returns a callable that runs one training step of an MLP
 (784-1024-1024-10 by default, ReLU, softmax cross-entropy, Adam 1e-3) written the way a user of
 the backend would write it, without Keras' model or `fit`: TensorFlow `tf.function` +
-`GradientTape`, JAX `jax.jit` + `jax.grad`, PyTorch `torch.nn` + `torch.optim.Adam`.
+`GradientTape`, JAX `jax.jit` + `jax.grad`, PyTorch eager + `torch.optim.Adam`. Every backend
+computes each layer as `h @ kernel + bias` with the kernel stored (inputs, outputs), as Keras'
+`Dense` does.
 
 - `slices=k` splits the batch into k equal slices and sums their gradients before one update
   (hand-written gradient accumulation), as `microbatches=k` does.
@@ -155,27 +157,29 @@ def _jax(x, y, slices, check, params):
 def _torch(x, y, slices, check, params):
     import torch
 
-    sizes = [params[i].shape[0] for i in range(0, len(params), 2)] + [params[-1].shape[0]]
-    layers = []
-    for i, (a, b) in enumerate(zip(sizes, sizes[1:])):
-        lin = torch.nn.Linear(a, b)
-        with torch.no_grad():
-            lin.weight.copy_(torch.from_numpy(params[2 * i].T.copy()))
-            lin.bias.zero_()
-        layers += [lin, torch.nn.ReLU()]
-    net = torch.nn.Sequential(*layers[:-1])
-    opt = torch.optim.Adam(net.parameters(), lr=LR, betas=(B1, B2), eps=EPS)
+    # Kernels stored (inputs, outputs) and applied as h @ w + b, as Keras' Dense does (and as
+    # the TF and JAX floors do); torch.nn.Linear would store the transpose and call addmm.
+    ws = [torch.tensor(p, requires_grad=True) for p in params]
+    opt = torch.optim.Adam(ws, lr=LR, betas=(B1, B2), eps=EPS)
     xs, ys = torch.from_numpy(x), torch.from_numpy(y).long()
     size = len(x) // slices
     loss_fn = torch.nn.CrossEntropyLoss()
 
+    def forward(xb):
+        h = xb
+        for i in range(0, len(ws), 2):
+            h = h @ ws[i] + ws[i + 1]
+            if i + 2 < len(ws):
+                h = torch.relu(h)
+        return h
+
     def run():
         opt.zero_grad()
         for k in range(slices):
-            part = loss_fn(net(xs[k * size : (k + 1) * size]), ys[k * size : (k + 1) * size])
+            part = loss_fn(forward(xs[k * size : (k + 1) * size]), ys[k * size : (k + 1) * size])
             (part / slices if slices > 1 else part).backward()
         if check:
-            grads = [p.grad.reshape(-1) for p in net.parameters()]
+            grads = [w.grad.reshape(-1) for w in ws]
             norm = torch.stack([torch.vdot(g, g) for g in grads]).sum().sqrt()
             if bool(torch.isfinite(norm)):
                 opt.step()

@@ -142,6 +142,7 @@ def interleaved(
         )
     result = summarize(wall, cpu)
     result["step_ms"] = 1e3 * statistics.median(t[0] for t in times["a"])
+    result["step_cpu_ms"] = 1e3 * statistics.median(t[1] for t in times["a"])
     return result
 
 

@@ -17,8 +17,12 @@ Measured, on the backend picked by KERAS_BACKEND, in one process, alternated (pe
 0. Noise floor, no target: stock against an identical second stock model (A/A), per step
    and per epoch. On a shared CPU its spread shows how far apart two runs of the same work
    land; a claim whose ratio sits inside it is not resolved by this machine.
-3. On a GPU/TPU only: peak device memory of one training step, `microbatches=4` vs 1, on an
-   activation-heavy MLP (batch 1024, 4 x 4096 hidden). Target >= 2x lower. Skipped on CPU.
+3. Activation memory, `microbatches=4` vs 1. Target >= 2x lower. On a GPU/TPU: peak device
+   memory of one training step on an activation-heavy MLP (batch 1024, 4 x 4096 hidden). On
+   a CPU: benchmarks/_memory.py in its own process, which reads each backend's own byte
+   counts (TF allocator peak, XLA temp buffers, tensors saved for backward) at batches 1024
+   and 8192 and reports the ratio of their growth per example (a count, not a timing); on
+   TF also with one inter-op thread, where its peak repeats from run to run.
 4. The bare-framework floor, no target: the same MLP written as a hand-written training step
    on the backend itself (benchmarks/_floors.py: `tf.function`, `jax.jit`, torch eager, Adam),
    timed the same way. (a) with vs without the non-finite check (global gradient norm, update
@@ -177,6 +181,35 @@ def peak_memory(microbatches: int) -> int | None:
     return stats["peak_bytes"] - (base or {}).get("current_bytes", 0)
 
 
+def cpu_activation_memory(*extra: str, target: str = ">= 2") -> dict:
+    """Row for claim 3 on a CPU, from benchmarks/_memory.py run as its own process."""
+    import json
+    import subprocess
+
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_memory.py")
+    batches = ["1024", "8192"]  # also under --quick: byte counts cost seconds, not minutes
+    out = subprocess.run(
+        [sys.executable, script, "--batches", *batches, *extra],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    res = json.loads(out.strip().splitlines()[-1])
+    k1, k4 = res["per_example_k1"], res["per_example_k4"]
+    threads = {"default": ", TF's default inter-op threads", 1: ", one inter-op thread"}.get(
+        res.get("tf_inter_op_threads"), ""
+    )
+    return _harness.row(
+        f"activation memory per example, microbatches=1 / 4 (CPU: {res['what']}{threads})",
+        {"wall_ratio": res["ratio"], "cpu_ratio": None, "repeats": 1},
+        target,
+        note=(
+            f"{k1:,.0f} vs {k4:,.0f} bytes per example; whole step at batch {batches[1]}: "
+            f"{res['total_ratio_at_b2']:.2f}x lower (ratio in wall column)"
+        ),
+    )
+
+
 def main() -> None:
     args = _harness.parse_args(__doc__.splitlines()[0])
     n = 512 if args.quick else 8192
@@ -200,7 +233,12 @@ def main() -> None:
     if not args.quick:
         rows.append(microbatch_cost(x_flat, y, 128, 200, target="(info)"))
     rows += floor_rows(x_flat, y, steps)
-    if kb.has_accelerator():
+    if not kb.has_accelerator():
+        rows.append(cpu_activation_memory())
+        if keras.backend.backend() == "tensorflow":
+            # The same with one op at a time: TensorFlow's peak then repeats from run to run.
+            rows.append(cpu_activation_memory("--tf-inter-op-threads", "1", target="(info)"))
+    else:
         p1, p4 = peak_memory(1), peak_memory(4)
         if p1 and p4:
             res = {"wall_ratio": p1 / p4, "cpu_ratio": None, "repeats": 1}

@@ -147,8 +147,17 @@ class TrainStep:
                 g, _ = self._kp_slice_grads(*sl, weight)
                 return i + 1, [a + g[j] for a, j in zip(acc, connected)]
 
+            # One slice at a time. The slices do not depend on each other, so TensorFlow's
+            # executor would otherwise overlap them: up to 10 loop iterations at once by
+            # default, and the first iteration with the first slice, whose gradients only the
+            # first accumulation waits for. Each overlap keeps one more slice's activations.
+            with tf.control_dependencies([grads[j] for j in connected]):
+                first_index = tf.identity(tf.constant(1, count.dtype))
             _, acc = tf.while_loop(
-                lambda i, _: i < count, body, (tf.constant(1, count.dtype), [grads[j] for j in connected])
+                lambda i, _: i < count,
+                body,
+                (first_index, [grads[j] for j in connected]),
+                parallel_iterations=1,
             )
             grads = [None] * len(grads)
             for j, a in zip(connected, acc):

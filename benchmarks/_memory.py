@@ -1,0 +1,200 @@
+"""Activation memory of one training step, `microbatches=k` vs 1, measured without a GPU.
+
+On an accelerator the figure to read is the device's peak memory (`bench_train_step.py` does
+that where one is present). On a CPU this script measures what each backend can report
+exactly, for an MLP 784-1024-1024-10 (Adam, float32) trained with `kp.loss_scaled`:
+
+- TensorFlow: the peak of TensorFlow's own CPU allocator during one call of the compiled
+  train function (`tf.config.experimental.get_memory_info("CPU:0")`, which counts only with
+  the BFC allocator: this script sets `TF_CPU_ALLOCATOR_USE_BFC=true` before TensorFlow is
+  imported, so run it as its own process).
+- JAX: the scratch ("temp") buffers XLA assigns to the compiled train step
+  (`jax.jit(...).lower(...).compile().memory_analysis().temp_size_in_bytes`): activations,
+  gradients, accumulators and optimizer temporaries, as the buffer assigner lays them out.
+- PyTorch: the peak of the tensors autograd holds for the backward pass (hooked with
+  `torch.autograd.graph.saved_tensors_hooks`, each storage counted once, weights and input
+  data excluded): the activations alone.
+
+TensorFlow's peak depends on the order its executor runs independent ops in, which with
+several inter-op threads (its default) changes from run to run; `--tf-inter-op-threads 1`
+fixes the order. The other two counts repeat exactly.
+
+The TensorFlow and JAX totals include what does not grow with the batch (the gradients,
+and with k > 1 the accumulators), so each is taken at two batch sizes and the activation
+memory is read as the growth per example: (M(b2) - M(b1)) / (b2 - b1). The ratio of that
+growth at k = 1 and k = 4 is the reported figure; an ideal k-way split gives 4.
+
+Run: `python benchmarks/_memory.py [--microbatches 4] [--batches 1024 8192]
+[--tf-inter-op-threads N]`; prints one JSON object. Every number is a byte count from the
+framework, not a timing.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+if os.environ.get("KERAS_BACKEND", "tensorflow") == "tensorflow":
+    # Must precede the import of TensorFlow: only the BFC allocator keeps CPU statistics.
+    os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"
+    # oneDNN's kernels keep scratch buffers of their own, which made the peak vary by
+    # megabytes from run to run; TensorFlow's Eigen kernels do not.
+    os.environ["TF_ENABLE_ONEDNN_OPTS"] = "0"
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import weakref  # noqa: E402
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+import keras_perf as kp  # noqa: E402
+
+WHAT = {
+    "tensorflow": "TF CPU allocator peak during one compiled step (BFC)",
+    "jax": "XLA temp buffers of the compiled step",
+    "torch": "peak of tensors saved for backward",
+}
+
+
+def _model(microbatches: int) -> keras.Model:
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((784,))
+    h = keras.layers.Dense(1024, activation="relu")(inp)
+    h = keras.layers.Dense(1024, activation="relu")(h)
+    model = kp.loss_scaled(keras.Model(inp, keras.layers.Dense(10)(h)), microbatches=microbatches)
+    model.compile(
+        keras.optimizers.Adam(1e-3), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    )
+    return model
+
+
+def _data(batch: int):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(batch, 784)).astype("float32")
+    return x, rng.integers(0, 10, batch).astype("int32")
+
+
+def _tensorflow(model, x, y) -> int:
+    import tensorflow as tf
+
+    data = (tf.constant(x), tf.constant(y))
+    model.train_function(iter([data]))  # traced and warm
+    base = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    model.train_function(iter([data]))
+    return tf.config.experimental.get_memory_info("CPU:0")["peak"] - base
+
+
+def _jax(model, x, y) -> int:
+    import jax
+
+    state = tuple(
+        [v.value for v in variables]
+        for variables in (
+            model.trainable_variables,
+            model.non_trainable_variables,
+            model.optimizer.variables,
+            model.metrics_variables,
+        )
+    )
+    compiled = jax.jit(model.train_step).lower(state, (x, y)).compile()
+    return int(compiled.memory_analysis().temp_size_in_bytes)
+
+
+class _Holder:
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+class _SavedPeak:
+    """Peak bytes of distinct storages autograd keeps for backward, weights and data excluded."""
+
+    def __init__(self, excluded):
+        self.excluded, self.live, self.current, self.peak = excluded, {}, 0, 0
+
+    def pack(self, t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in self.excluded or (t.grad_fn is None and not t.requires_grad):
+            return t  # a weight, or input data that lives with the batch anyway
+        holder = _Holder(t)
+        if ptr not in self.live:
+            self.current += t.untyped_storage().nbytes()
+            self.peak = max(self.peak, self.current)
+        self.live[ptr] = self.live.get(ptr, 0) + 1
+        weakref.finalize(holder, self._release, ptr, t.untyped_storage().nbytes())
+        return holder
+
+    def _release(self, ptr, nbytes):
+        self.live[ptr] -= 1
+        if not self.live[ptr]:
+            del self.live[ptr]
+            self.current -= nbytes
+
+    @staticmethod
+    def unpack(h):
+        return h.tensor if isinstance(h, _Holder) else h
+
+
+def _torch(model, x, y) -> int:
+    import torch
+
+    saved = _SavedPeak({v.value.untyped_storage().data_ptr() for v in model.variables})
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+        model.fit(x, y, batch_size=len(x), epochs=1, verbose=0)
+    return saved.peak
+
+
+def step_memory(microbatches: int, batch: int) -> int:
+    """Bytes the backend's measure gives for one step at this batch size (see the docstring)."""
+    model = _model(microbatches)
+    x, y = _data(batch)
+    model.fit(x, y, batch_size=batch, epochs=1, verbose=0)  # builds weights, optimizer, step
+    measure = {"tensorflow": _tensorflow, "jax": _jax, "torch": _torch}[keras.backend.backend()]
+    return measure(model, x, y)
+
+
+def activation_memory(microbatches: int = 4, batches: tuple[int, int] = (1024, 8192)) -> dict:
+    """Per-example growth of step memory at 1 and `microbatches` slices, and their ratio."""
+    b1, b2 = batches
+    out = {
+        "backend": keras.backend.backend(),
+        "what": WHAT[keras.backend.backend()],
+        "batches": [b1, b2],
+    }
+    for k in (1, microbatches):
+        m1, m2 = step_memory(k, b1), step_memory(k, b2)
+        out[f"bytes_k{k}"] = [m1, m2]
+        out[f"per_example_k{k}"] = (m2 - m1) / (b2 - b1)
+    out["microbatches"] = microbatches
+    out["ratio"] = out["per_example_k1"] / out[f"per_example_k{microbatches}"]
+    out["total_ratio_at_b2"] = out["bytes_k1"][1] / out[f"bytes_k{microbatches}"][1]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--batches", type=int, nargs=2, default=(1024, 8192))
+    parser.add_argument(
+        "--tf-inter-op-threads",
+        type=int,
+        default=0,
+        help="TensorFlow only: inter-op threads (0: TensorFlow's default, as users run it; "
+        "1: one op at a time, so the executor's order and the peak repeat from run to run)",
+    )
+    args = parser.parse_args()
+    if keras.backend.backend() == "tensorflow" and args.tf_inter_op_threads:
+        import tensorflow as tf
+
+        tf.config.threading.set_inter_op_parallelism_threads(args.tf_inter_op_threads)
+    result = activation_memory(args.microbatches, tuple(args.batches))
+    if result["backend"] == "tensorflow":
+        result["tf_inter_op_threads"] = args.tf_inter_op_threads or "default"
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

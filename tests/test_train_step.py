@@ -113,7 +113,7 @@ def test_microbatches_changeable_between_fits():
 # What micro-batching is for: a step at microbatches=4 holds about a quarter of the activations.
 # benchmarks/_memory.py reads byte counts (not timings) from each backend: TensorFlow's CPU
 # allocator peak (its default threading, as users run it), XLA's temp buffers, or the tensors
-# autograd saves for backward. Measured there over 14 runs: TF 3.03-5.43 and whole step
+# autograd saves for backward. Measured there over 10 runs: TF 3.10-5.43 and whole step
 # 2.16-2.92 (its peak follows the executor's op order; 2.04-2.58 and 1.66-1.88 while the first
 # slice overlapped the loop), JAX 3.74 and 3.01, torch exactly 4 and 4.
 _ACTIVATION_RATIO_FLOOR = {"tensorflow": 2.8, "jax": 3.0, "torch": 4.0}

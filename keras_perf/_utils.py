@@ -35,6 +35,26 @@ def in_training_step() -> bool:
     return getattr(_LOCAL, "in_train_step", False)
 
 
+@contextlib.contextmanager
+def metric_results_deferred():
+    """Inside it, `kp.LossScaleTrainStep.get_metrics_result()` returns `{}` at once.
+
+    Keras' `compute_metrics` updates the metrics and then returns `get_metrics_result()`. An
+    eager step (PyTorch) that calls it per slice and reads the results once at the end would
+    otherwise compute every result once per slice plus once more, for nothing.
+    """
+    previous = getattr(_LOCAL, "defer_results", False)
+    _LOCAL.defer_results = True
+    try:
+        yield
+    finally:
+        _LOCAL.defer_results = previous
+
+
+def metric_results_are_deferred() -> bool:
+    return getattr(_LOCAL, "defer_results", False)
+
+
 class KerasPerfWarning(UserWarning):
     """Category of every warning keras-perf emits (tests turn it into an error)."""
 
@@ -128,6 +148,21 @@ def sum_of_squares(tensors):
     view, no copy)."""
     flat = [keras.ops.reshape(keras.ops.cast(t, "float32"), (-1,)) for t in tensors]
     return keras.ops.sum(keras.ops.stack([keras.ops.vdot(t, t) for t in flat]))
+
+
+def all_finite(sum_sq, tensors):
+    """Whether every entry of `tensors` is finite, given their float32 sum of squares.
+
+    A NaN or inf anywhere makes `sum_sq` non-finite; only then is each tensor checked, to tell
+    a real non-finite entry from finite ones whose squared sum overflows float32. Decided
+    inside the compiled step (a backend `cond`, no host synchronisation).
+    """
+    ops = keras.ops
+    return ops.cond(
+        ops.isfinite(sum_sq),
+        lambda: ops.ones((), "bool"),
+        lambda: ops.all(ops.stack([ops.all(ops.isfinite(t)) for t in tensors])),
+    )
 
 
 def map_batch(fn, structure):

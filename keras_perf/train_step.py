@@ -20,7 +20,12 @@ import keras
 from keras import ops
 
 from keras_perf import backend as _backend
-from keras_perf._utils import check_int, check_number, in_training_step
+from keras_perf._utils import (
+    check_int,
+    check_number,
+    in_training_step,
+    metric_results_are_deferred,
+)
 
 __all__ = ["LossScaleTrainStep", "LossScaledModel", "loss_scaled"]
 
@@ -196,15 +201,10 @@ class LossScaleTrainStep(_backend.TrainStepBase):
         if not present:
             zero = ops.zeros((), "float32")
             return grads, ops.ones((), "bool"), zero
-        # One pass over the gradients (the backend's cheapest sum of squares). A NaN or inf
-        # anywhere makes the sum non-finite; only then is each tensor checked, to tell a real
-        # non-finite gradient from a finite one whose squared norm overflows float32.
+        # One pass over the gradients (the backend's cheapest sum of squares), which also
+        # tells whether they are all finite (see `_utils.all_finite`).
         sum_sq = self._kp_sum_of_squares(present)
-        finite = ops.cond(
-            ops.isfinite(sum_sq),
-            lambda: ops.ones((), "bool"),
-            lambda: ops.all(ops.stack([ops.all(ops.isfinite(g)) for g in present])),
-        )
+        finite = self._kp_all_finite(sum_sq, present)
         norm = ops.sqrt(sum_sq)
         if scale is not None:
             norm = norm / ops.cast(scale, "float32")
@@ -223,6 +223,8 @@ class LossScaleTrainStep(_backend.TrainStepBase):
     def get_metrics_result(self):
         # grad_norm and skipped_steps belong to training: keep them out of evaluate()'s logs
         # (and so out of the val_* keys). The flag is read while the step is traced.
+        if metric_results_are_deferred():
+            return {}
         results = super().get_metrics_result()
         if not in_training_step():
             for name in _STEP_METRICS:

@@ -410,3 +410,30 @@ def test_get_config_round_trip():
     clone = kp.LossScaledModel.from_config(model.get_config())
     assert (clone.microbatches, clone.clipnorm, clone.initial_scale) == (3, 2.0, 1024.0)
     assert len(clone.weights) == len(model.weights)
+
+
+@pytest.mark.backends("torch")
+def test_eager_step_reads_metric_results_once_per_step(monkeypatch):
+    # Keras' compute_metrics returns get_metrics_result(); the eager step calls it per slice
+    # and reads the results once at the end. So with 4 slices `fit` computes the results as
+    # often as stock `fit` does (once per step, once per epoch), not 4 more times per step,
+    # and the logs are still the full-batch figures.
+    calls = []
+    original = keras.Model.get_metrics_result
+
+    def counting(self):
+        calls.append(1)
+        return original(self)
+
+    monkeypatch.setattr(keras.Model, "get_metrics_result", counting)
+    x, y = _data(64)
+    logs = {}
+    for name, model in (("stock", _mlp()), ("ours", kp.loss_scaled(_mlp(), microbatches=4))):
+        model.compile("sgd", SCE, metrics=["accuracy"])
+        calls.clear()
+        h = model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        logs[name] = (len(calls), h.history["loss"][0], h.history["accuracy"][0])
+    # Without the deferral ours would compute them 4 more times per step (16 here).
+    assert logs["ours"][0] == logs["stock"][0]
+    np.testing.assert_allclose(logs["ours"][1], logs["stock"][1], rtol=1e-5)
+    np.testing.assert_allclose(logs["ours"][2], logs["stock"][2], rtol=1e-6)

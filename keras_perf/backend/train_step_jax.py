@@ -16,7 +16,13 @@ from keras import ops
 # (what Keras' own JAX trainer uses; checked on Keras 3.8-3.15).
 from keras.src.backend import StatelessScope
 
-from keras_perf._utils import first_tensor, map_batch, sum_of_squares, training_step
+from keras_perf._utils import (
+    all_finite,
+    first_tensor,
+    map_batch,
+    sum_of_squares,
+    training_step,
+)
 
 
 def _index(variables, target):
@@ -30,6 +36,7 @@ class TrainStep:
     """JAX `train_step(state, data)`; mixed into `kp.LossScaleTrainStep`."""
 
     _kp_sum_of_squares = staticmethod(sum_of_squares)
+    _kp_all_finite = staticmethod(all_finite)
 
     def train_step(self, state, data):
         with training_step():

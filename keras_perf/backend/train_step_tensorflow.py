@@ -18,7 +18,7 @@ from keras import ops
 # the undivided value; this is its helper for that (checked on Keras 3.8-3.15).
 from keras.src.losses.loss import unscale_loss_for_distribution
 
-from keras_perf._utils import first_tensor, map_batch, training_step
+from keras_perf._utils import all_finite, first_tensor, map_batch, training_step
 
 
 def _multi_worker(strategy) -> bool:
@@ -67,6 +67,8 @@ def _apply_if_finite(optimizer, finite, grads, variables):
 
 class TrainStep:
     """TensorFlow `train_step(data)`; mixed into `kp.LossScaleTrainStep`."""
+
+    _kp_all_finite = staticmethod(all_finite)
 
     @staticmethod
     def _kp_sum_of_squares(tensors):

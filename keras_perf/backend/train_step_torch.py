@@ -11,7 +11,7 @@ import warnings
 import keras
 import torch
 
-from keras_perf._utils import first_tensor, map_batch, training_step
+from keras_perf._utils import first_tensor, map_batch, metric_results_deferred, training_step
 
 
 class TrainStep:
@@ -24,6 +24,26 @@ class TrainStep:
         # itself stays: about 3 % of a 784-1024-1024-10 MLP step on 2 CPU cores.
         flat = [t.reshape(-1) if t.dtype == torch.float32 else t.reshape(-1).float() for t in tensors]
         return torch.stack([torch.vdot(t, t) for t in flat]).sum()
+
+    @staticmethod
+    def _kp_all_finite(sum_sq, tensors):
+        # Eager, so a Python branch: a Keras `ops.cond` costs a few hundred microseconds of
+        # Python per step here. On a GPU, reading the flag is a host synchronisation; the step
+        # makes that one anyway right after, to decide whether to apply (see the mixin).
+        if bool(torch.isfinite(sum_sq)):
+            return torch.ones((), dtype=torch.bool, device=sum_sq.device)
+        return torch.stack([torch.isfinite(t).all() for t in tensors]).all()
+
+    def _kp_record_step(self, norm, finite):
+        """`_kp_update_step_metrics` in place on the trackers' tensors.
+
+        The same sums as the Keras metrics' `update_state` (Mean: total += norm, count += 1
+        on finite steps; Sum: total += 1 on skipped ones), without their per-op Python.
+        """
+        mean, skipped = self.grad_norm_tracker, self.skipped_steps_tracker
+        mean.total.value.add_(torch.where(finite, norm, torch.zeros_like(norm)))
+        mean.count.value.add_(finite.to(mean.count.value.dtype))
+        skipped.total.value.add_((~finite).to(skipped.total.value.dtype))
 
     def train_step(self, data):
         with training_step():
@@ -49,7 +69,8 @@ class TrainStep:
                 scaled = self.optimizer.scale_loss(scaled)
             if variables:
                 scaled.backward()
-            self.compute_metrics(xs, ys, y_pred, sample_weight=sws)
+            with metric_results_deferred():  # read once, below
+                self.compute_metrics(xs, ys, y_pred, sample_weight=sws)
 
         if variables:
             grads = [v.value.grad for v in variables]
@@ -62,7 +83,7 @@ class TrainStep:
                     self.optimizer.apply(grads, variables)
                 elif bool(finite):  # the one host sync of this path (see the mixin's docstring)
                     self.optimizer.apply(grads, variables)
-                self._kp_update_step_metrics(norm, finite)
+                self._kp_record_step(norm, finite)
         else:
             warnings.warn("The model does not have any trainable weights.", stacklevel=2)
 

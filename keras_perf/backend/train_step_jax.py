@@ -4,6 +4,12 @@ Stateless, like Keras' own: `train_step(state, data) -> (logs, state)`. Shapes a
 JAX, so the slicing is decided in Python: equal slices run under `jax.lax.scan` (one slice's
 activations alive at a time, one traced copy of the model) and a shorter remainder slice, if
 any, runs once after it.
+
+Known cost on a CPU: inside the scan body XLA:CPU leaves the kernel-gradient convolutions in
+a non-canonical layout and runs them as naive loops, so micro-batching a convolutional model
+is about 6x slower per step there (docs/BENCHMARKS.md, run 5). Unrolling the slices is fast
+but lets XLA keep several slices' activations alive (optimization barriers are dropped on CPU,
+and data dependencies between slices kept only 1.35x of the 3.9x saving), so the scan stays.
 """
 
 from __future__ import annotations

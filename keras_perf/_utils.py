@@ -18,24 +18,28 @@ _LOCAL = threading.local()
 
 
 @contextlib.contextmanager
-def training_step():
-    """Marks the current thread as inside a keras-perf train step.
+def _thread_flag(name: str):
+    """Set a flag of this thread for the duration of a `with` block (nesting restores it).
 
     Thread-local because tf.distribute.MirroredStrategy runs the replicas' steps in threads.
     """
-    previous = getattr(_LOCAL, "in_train_step", False)
-    _LOCAL.in_train_step = True
+    previous = getattr(_LOCAL, name, False)
+    setattr(_LOCAL, name, True)
     try:
         yield
     finally:
-        _LOCAL.in_train_step = previous
+        setattr(_LOCAL, name, previous)
+
+
+def training_step():
+    """Marks the current thread as inside a keras-perf train step."""
+    return _thread_flag("in_train_step")
 
 
 def in_training_step() -> bool:
     return getattr(_LOCAL, "in_train_step", False)
 
 
-@contextlib.contextmanager
 def metric_results_deferred():
     """Inside it, `kp.LossScaleTrainStep.get_metrics_result()` returns `{}` at once.
 
@@ -43,12 +47,7 @@ def metric_results_deferred():
     eager step (PyTorch) that calls it per slice and reads the results once at the end would
     otherwise compute every result once per slice plus once more, for nothing.
     """
-    previous = getattr(_LOCAL, "defer_results", False)
-    _LOCAL.defer_results = True
-    try:
-        yield
-    finally:
-        _LOCAL.defer_results = previous
+    return _thread_flag("defer_results")
 
 
 def metric_results_are_deferred() -> bool:

@@ -208,10 +208,6 @@ def main():
 
     # tfmot runs on tf_keras (TensorFlow) whichever Keras 3 backend runs ours.
     theirs, update_step = tfmot_model(schedule_args)
-    legacy = tf_keras_compile(tf_keras_model())
-
-    def fit_legacy():
-        legacy.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
 
     def fit_tfmot():
         theirs.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=[update_step])
@@ -228,6 +224,11 @@ def main():
         )
     )
     if keras.backend.backend() == "tensorflow":
+        legacy = tf_keras_compile(tf_keras_model())
+
+        def fit_legacy():
+            legacy.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+
         fit_legacy()
         loop = abba(fit_legacy, fit_plain, repeats=repeats)
         rows.append(

@@ -164,6 +164,18 @@ def all_finite(sum_sq, tensors):
     )
 
 
+def update_step_metrics(model, norm, finite):
+    """Record a step's gradient norm (finite steps only) and a skip if not finite.
+
+    The generic form of the train step's `_kp_update_step_metrics` hook: Keras metric updates,
+    traced into the compiled step on TensorFlow and JAX.
+    """
+    ops = keras.ops
+    finite_f = ops.cast(finite, "float32")
+    model.grad_norm_tracker.update_state(ops.where(finite, norm, 0.0), sample_weight=finite_f)
+    model.skipped_steps_tracker.update_state(1 - ops.cast(finite, "int32"))
+
+
 def map_batch(fn, structure):
     """Apply `fn` to every tensor of a (nested) batch structure, leaving `None` entries alone."""
     return keras.tree.map_structure(lambda t: None if t is None else fn(t), structure)

@@ -214,12 +214,6 @@ class LossScaleTrainStep(_backend.TrainStepBase):
             grads = [None if g is None else g * ops.cast(factor, g.dtype) for g in grads]
         return grads, finite, norm
 
-    def _kp_update_step_metrics(self, norm, finite):
-        """Record this step's gradient norm (finite steps only) and a skip if not finite."""
-        finite_f = ops.cast(finite, "float32")
-        self.grad_norm_tracker.update_state(ops.where(finite, norm, 0.0), sample_weight=finite_f)
-        self.skipped_steps_tracker.update_state(1 - ops.cast(finite, "int32"))
-
     def get_metrics_result(self):
         # grad_norm and skipped_steps belong to training: keep them out of evaluate()'s logs
         # (and so out of the val_* keys). The flag is read while the step is traced.

@@ -28,6 +28,7 @@ from keras_perf._utils import (
     map_batch,
     sum_of_squares,
     training_step,
+    update_step_metrics,
 )
 
 
@@ -43,6 +44,7 @@ class TrainStep:
 
     _kp_sum_of_squares = staticmethod(sum_of_squares)
     _kp_all_finite = staticmethod(all_finite)
+    _kp_update_step_metrics = update_step_metrics
 
     def train_step(self, state, data):
         with training_step():

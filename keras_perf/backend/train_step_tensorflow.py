@@ -18,7 +18,13 @@ from keras import ops
 # the undivided value; this is its helper for that (checked on Keras 3.8-3.15).
 from keras.src.losses.loss import unscale_loss_for_distribution
 
-from keras_perf._utils import all_finite, first_tensor, map_batch, training_step
+from keras_perf._utils import (
+    all_finite,
+    first_tensor,
+    map_batch,
+    training_step,
+    update_step_metrics,
+)
 
 
 def _multi_worker(strategy) -> bool:
@@ -69,6 +75,7 @@ class TrainStep:
     """TensorFlow `train_step(data)`; mixed into `kp.LossScaleTrainStep`."""
 
     _kp_all_finite = staticmethod(all_finite)
+    _kp_update_step_metrics = update_step_metrics
 
     @staticmethod
     def _kp_sum_of_squares(tensors):

@@ -14,6 +14,16 @@ computes each layer as `h @ kernel + bias` with the kernel stored (inputs, outpu
 
 The ratios of these callables (4 slices / 1, checked / unchecked) say what the same work costs
 on the framework alone, so a Keras-level ratio can be read against it.
+
+Two more floors answer narrower questions:
+
+- `raw_cnn_step(x, y, slices)` (JAX): the benchmark's small CNN (conv 16, pool, conv 32, pool,
+  dense 10) written in bare JAX, its slices accumulated inside `jax.lax.scan` (one slice's
+  activations alive at a time, as `microbatches` does) or, with `loop="unrolled"`, in a Python
+  loop. It shows what XLA:CPU makes of convolution gradients inside a loop body.
+- `keras_loop_step(model, x, y, slices)` (PyTorch): gradient accumulation written by hand around
+  a compiled Keras model (`model(x)`, `model.compute_loss`, `backward()` per slice, one
+  `optimizer.apply`): what any accumulation through Keras' eager layers costs on torch.
 """
 
 from __future__ import annotations
@@ -186,4 +196,117 @@ def _torch(x, y, slices, check, params):
         else:
             opt.step()
 
+    return run
+
+
+def raw_cnn_step(
+    x: np.ndarray, y: np.ndarray, slices: int = 1, loop: str = "scan"
+) -> Callable[[], object]:
+    """One training step (Adam) of the small CNN in bare JAX (see module docstring)."""
+    import jax
+    import jax.numpy as jnp
+    import keras
+
+    if keras.backend.backend() != "jax":
+        raise ValueError("raw_cnn_step is written for the JAX backend.")
+    if len(x) % slices:
+        raise ValueError(f"`slices` ({slices}) must divide the batch ({len(x)}).")
+    if loop not in ("scan", "unrolled"):
+        raise ValueError(f"`loop` must be 'scan' or 'unrolled', got {loop!r}.")
+    rng = np.random.default_rng(0)
+    shapes = [(3, 3, 1, 16), (16,), (3, 3, 16, 32), (32,), (800, 10), (10,)]
+    params = [
+        rng.normal(0, (2.0 / np.prod(s[:-1])) ** 0.5, s).astype("float32")
+        if len(s) > 1
+        else np.zeros(s, "float32")
+        for s in shapes
+    ]
+    dn = ("NHWC", "HWIO", "NHWC")
+
+    def pool(h):
+        return jax.lax.reduce_window(h, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
+
+    def loss(ws, xb, yb):
+        h = xb
+        for i in (0, 2):
+            h = jax.lax.conv_general_dilated(h, ws[i], (1, 1), "VALID", dimension_numbers=dn)
+            h = pool(jax.nn.relu(h + ws[i + 1]))
+        h = h.reshape(h.shape[0], -1) @ ws[4] + ws[5]
+        logp = jax.nn.log_softmax(h)
+        return -jnp.mean(jnp.take_along_axis(logp, yb[:, None], axis=1))
+
+    grad = jax.grad(loss)
+    size = len(x) // slices
+
+    def update(state, grads):
+        ws, ms, vs, t = state
+        t = t + 1.0
+        lr = LR * jnp.sqrt(1 - B2**t) / (1 - B1**t)
+        ms = [m + (g - m) * (1 - B1) for m, g in zip(ms, grads)]
+        vs = [v + (g * g - v) * (1 - B2) for v, g in zip(vs, grads)]
+        ws = [w - lr * m / (jnp.sqrt(v) + EPS) for w, m, v in zip(ws, ms, vs)]
+        return ws, ms, vs, t
+
+    def step(state, xs, ys):
+        ws = state[0]
+        if slices == 1:
+            return update(state, grad(ws, xs, ys))
+        if loop == "scan":
+            parts = (xs.reshape((slices, size) + xs.shape[1:]), ys.reshape(slices, size))
+
+            def body(acc, part):
+                return [a + g / slices for a, g in zip(acc, grad(ws, *part))], None
+
+            grads, _ = jax.lax.scan(body, [jnp.zeros_like(w) for w in ws], parts)
+        else:
+            grads = [jnp.zeros_like(w) for w in ws]
+            for k in range(slices):
+                g = grad(ws, xs[k * size : (k + 1) * size], ys[k * size : (k + 1) * size])
+                grads = [a + b / slices for a, b in zip(grads, g)]
+        return update(state, grads)
+
+    step = jax.jit(step, donate_argnums=0)
+    ws = [jnp.asarray(p) for p in params]
+    holder = {"state": (ws, [jnp.zeros_like(w) for w in ws], [jnp.zeros_like(w) for w in ws],
+                        jnp.float32(0))}  # fmt: skip
+    xs, ys = jnp.asarray(x), jnp.asarray(y.astype("int32"))
+
+    def run():
+        holder["state"] = step(holder["state"], xs, ys)
+        return jax.block_until_ready(holder["state"])
+
+    for _ in range(2):  # compile and warm up
+        run()
+    return run
+
+
+def keras_loop_step(model, x: np.ndarray, y: np.ndarray, slices: int = 1) -> Callable[[], object]:
+    """Gradient accumulation written by hand around a compiled Keras model, on PyTorch.
+
+    Per slice: `model(x, training=True)`, `model.compute_loss`, `backward()`; then one
+    `model.optimizer.apply`. Nothing else of keras-perf's step (no norm, no skip, no metrics):
+    what any accumulation through Keras' eager layers costs. `model` must be built.
+    """
+    import keras
+    import torch
+
+    if keras.backend.backend() != "torch":
+        raise ValueError("keras_loop_step is written for the PyTorch backend.")
+    if len(x) % slices:
+        raise ValueError(f"`slices` ({slices}) must divide the batch ({len(x)}).")
+    xs, ys = torch.as_tensor(x), torch.as_tensor(y)
+    size = len(x) // slices
+    variables = model.trainable_variables
+
+    def run():
+        model.zero_grad()
+        for k in range(slices):
+            xb, yb = xs[k * size : (k + 1) * size], ys[k * size : (k + 1) * size]
+            loss = model.compute_loss(x=xb, y=yb, y_pred=model(xb, training=True), training=True)
+            (loss / slices if slices > 1 else loss).backward()
+        with torch.no_grad():
+            model.optimizer.apply([v.value.grad for v in variables], variables)
+
+    for _ in range(3):  # warm up
+        run()
     return run

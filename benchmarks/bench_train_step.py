@@ -12,6 +12,8 @@ Measured, on the backend picked by KERAS_BACKEND, in one process, alternated (pe
    the regime micro-batching is for: a batch too big for memory), per step as in 1 (160
    steps each), and on the small CNN at batch 512 (60 steps each), whose activations outweigh
    its weights. Target <= 1.25x on CPU.
+   Also at batch 2048 (slices of 512 rows, 40 steps each), same target: there a fixed cost per
+   slice, such as eager torch's Python, is spread over more rows.
    Also shown, without a target: batch 128 (slices of 32 rows), where CPU matrix products
    lose efficiency on thin slices; for scale, stock `fit` on 4x smaller batches costs
    about 2.6x per epoch on the same machine (it also runs 4x the optimizer updates).
@@ -29,7 +31,11 @@ Measured, on the backend picked by KERAS_BACKEND, in one process, alternated (pe
    timed the same way. (a) with vs without the non-finite check (global gradient norm, update
    only if finite), batch 128: what that check costs on the framework alone, against claim 1's
    MLP; (b) 4 accumulated slices vs 1 batch of 512: what gradient accumulation costs on the
-   framework alone, against claim 2.
+   framework alone, against claim 2. Then, for the rows the framework under Keras decides:
+   (c) JAX: the small CNN in bare JAX, 4 slices in `lax.scan` (and unrolled) vs 1 batch of
+   512, against claim 2's CNN row (XLA:CPU and convolution gradients in loop bodies,
+   jax-ml/jax#12868); (d) torch: gradient accumulation written by hand around the same
+   Keras model, 4 slices vs 1 at batch 512, against claim 2's MLP row.
 
 Run: `python benchmarks/bench_train_step.py [--quick] [--json out.json]`.
 """
@@ -165,6 +171,43 @@ def floor_rows(x, y, steps: int) -> list[dict]:
     return rows
 
 
+def framework_rows(x, y, x_img, steps: int) -> list[dict]:
+    """Floors for the rows whose ratio the framework under Keras sets (see the module docstring)."""
+    backend = keras.backend.backend()
+    rows = []
+    if backend == "jax" and len(x_img) >= 512:
+        one = _floors.raw_cnn_step(x_img[:512], y[:512])
+        for loop in ("scan", "unrolled"):
+            four = _floors.raw_cnn_step(x_img[:512], y[:512], slices=4, loop=loop)
+            res = _harness.interleaved(one, four, steps)
+            rows.append(
+                _harness.row(
+                    f"(floor) bare-JAX CNN, 4 slices ({loop}) vs 1 batch (batch 512)",
+                    res,
+                    "-",
+                    note=f"{res['step_ms']:.1f} ms/step one batch; read against the CNN "
+                    "microbatches row",
+                )
+            )
+    if backend == "torch" and len(x) >= 512:
+        models = []
+        for slices in (1, 4):
+            keras.utils.set_random_seed(0)
+            model = compiled(mlp())
+            model.fit(x[:512], y[:512], batch_size=512, verbose=0)
+            models.append(_floors.keras_loop_step(model, x[:512], y[:512], slices))
+        res = _harness.interleaved(*models, steps)
+        rows.append(
+            _harness.row(
+                "(floor) accumulation by hand through Keras on torch, 4 slices vs 1 (MLP, batch 512)",
+                res,
+                "-",
+                note=f"{res['step_ms']:.1f} ms/step one batch; read against the MLP microbatches row",
+            )
+        )
+    return rows
+
+
 def peak_memory(microbatches: int) -> int | None:
     keras.utils.set_random_seed(0)
     model = kp.loss_scaled(compiled(mlp(4096, 4, 4096)), microbatches=microbatches)
@@ -238,8 +281,12 @@ def main() -> None:
         microbatch_cost(x_img, y, 512, 8 if args.quick else 60, build=cnn, name="small CNN")
     )
     if not args.quick:
+        # Slices of 512 rows: the fixed cost per slice (Python on eager torch) is spread wider.
+        rows.append(microbatch_cost(x_flat, y, 2048, 40))
         rows.append(microbatch_cost(x_flat, y, 128, 200, target="(info)"))
     rows += floor_rows(x_flat, y, steps)
+    if not args.quick:
+        rows += framework_rows(x_flat, y, x_img, 40 if keras.backend.backend() == "jax" else 160)
     if not kb.has_accelerator():
         rows.append(cpu_activation_memory())
         if keras.backend.backend() == "tensorflow":

@@ -7,9 +7,13 @@ any, runs once after it.
 
 Known cost on a CPU: inside the scan body XLA:CPU leaves the kernel-gradient convolutions in
 a non-canonical layout and runs them as naive loops, so micro-batching a convolutional model
-is about 6x slower per step there (docs/BENCHMARKS.md, run 5). Unrolling the slices is fast
-but lets XLA keep several slices' activations alive (optimization barriers are dropped on CPU,
-and data dependencies between slices kept only 1.35x of the 3.9x saving), so the scan stays.
+is about 6x slower per step there (docs/BENCHMARKS.md, runs 5 and 6). It is XLA's, not this
+step's: the same CNN written in bare JAX with its slices in `lax.scan` is as slow
+(benchmarks/_floors.py `raw_cnn_step`), and jax-ml/jax#12868 ("Convolution is significantly
+slower inside a loop body (CPU)", open since 2022) reports the cause. Unrolling the slices is
+fast but lets XLA keep several slices' activations alive (optimization barriers are dropped on
+CPU, and data dependencies between slices kept only 1.35x of the 3.9x saving), so the scan
+stays.
 """
 
 from __future__ import annotations

@@ -114,6 +114,37 @@ def _tensorflow(x, y, slices, check, params):
     return lambda: step().numpy()
 
 
+def _jax_adam(state, grads):
+    """Adam (as `keras.optimizers.Adam`) on a (weights, m, v, t) state of JAX arrays."""
+    import jax.numpy as jnp
+
+    ws, ms, vs, t = state
+    t = t + 1.0
+    lr = LR * jnp.sqrt(1 - B2**t) / (1 - B1**t)
+    ms = [m + (g - m) * (1 - B1) for m, g in zip(ms, grads)]
+    vs = [v + (g * g - v) * (1 - B2) for v, g in zip(vs, grads)]
+    ws = [w - lr * m / (jnp.sqrt(v) + EPS) for w, m, v in zip(ws, ms, vs)]
+    return ws, ms, vs, t
+
+
+def _jax_runner(step, params, x, y) -> Callable[[], object]:
+    """`step(state, x, y) -> state` jitted (state donated), run on fixed data; waits for it."""
+    import jax
+    import jax.numpy as jnp
+
+    step = jax.jit(step, donate_argnums=0)
+    ws = [jnp.asarray(p) for p in params]
+    holder = {"state": (ws, [jnp.zeros_like(w) for w in ws], [jnp.zeros_like(w) for w in ws],
+                        jnp.float32(0))}  # fmt: skip
+    xs, ys = jnp.asarray(x), jnp.asarray(y)
+
+    def run():
+        holder["state"] = step(holder["state"], xs, ys)
+        return jax.block_until_ready(holder["state"])
+
+    return run
+
+
 def _jax(x, y, slices, check, params):
     import jax
     import jax.numpy as jnp
@@ -131,15 +162,6 @@ def _jax(x, y, slices, check, params):
 
     grad = jax.grad(loss)
 
-    def update(state, grads):
-        ws, ms, vs, t = state
-        t = t + 1.0
-        lr = LR * jnp.sqrt(1 - B2**t) / (1 - B1**t)
-        ms = [m + (g - m) * (1 - B1) for m, g in zip(ms, grads)]
-        vs = [v + (g * g - v) * (1 - B2) for v, g in zip(vs, grads)]
-        ws = [w - lr * m / (jnp.sqrt(v) + EPS) for w, m, v in zip(ws, ms, vs)]
-        return ws, ms, vs, t
-
     def step(state, xs, ys):
         grads = None
         for k in range(slices):
@@ -148,20 +170,10 @@ def _jax(x, y, slices, check, params):
             grads = g if grads is None else [a + b for a, b in zip(grads, g)]
         if check:
             norm = jnp.sqrt(sum(jnp.vdot(g, g) for g in grads))
-            return jax.lax.cond(jnp.isfinite(norm), update, lambda s, g: s, state, grads)
-        return update(state, grads)
+            return jax.lax.cond(jnp.isfinite(norm), _jax_adam, lambda s, g: s, state, grads)
+        return _jax_adam(state, grads)
 
-    step = jax.jit(step, donate_argnums=0)
-    ws = [jnp.asarray(p) for p in params]
-    holder = {"state": (ws, [jnp.zeros_like(w) for w in ws], [jnp.zeros_like(w) for w in ws],
-                        jnp.float32(0))}  # fmt: skip
-    xs, ys = jnp.asarray(x), jnp.asarray(y)
-
-    def run():
-        holder["state"] = step(holder["state"], xs, ys)
-        return jax.block_until_ready(holder["state"])
-
-    return run
+    return _jax_runner(step, params, x, y)
 
 
 def _torch(x, y, slices, check, params):
@@ -238,19 +250,10 @@ def raw_cnn_step(
     grad = jax.grad(loss)
     size = len(x) // slices
 
-    def update(state, grads):
-        ws, ms, vs, t = state
-        t = t + 1.0
-        lr = LR * jnp.sqrt(1 - B2**t) / (1 - B1**t)
-        ms = [m + (g - m) * (1 - B1) for m, g in zip(ms, grads)]
-        vs = [v + (g * g - v) * (1 - B2) for v, g in zip(vs, grads)]
-        ws = [w - lr * m / (jnp.sqrt(v) + EPS) for w, m, v in zip(ws, ms, vs)]
-        return ws, ms, vs, t
-
     def step(state, xs, ys):
         ws = state[0]
         if slices == 1:
-            return update(state, grad(ws, xs, ys))
+            return _jax_adam(state, grad(ws, xs, ys))
         if loop == "scan":
             parts = (xs.reshape((slices, size) + xs.shape[1:]), ys.reshape(slices, size))
 
@@ -263,18 +266,9 @@ def raw_cnn_step(
             for k in range(slices):
                 g = grad(ws, xs[k * size : (k + 1) * size], ys[k * size : (k + 1) * size])
                 grads = [a + b / slices for a, b in zip(grads, g)]
-        return update(state, grads)
+        return _jax_adam(state, grads)
 
-    step = jax.jit(step, donate_argnums=0)
-    ws = [jnp.asarray(p) for p in params]
-    holder = {"state": (ws, [jnp.zeros_like(w) for w in ws], [jnp.zeros_like(w) for w in ws],
-                        jnp.float32(0))}  # fmt: skip
-    xs, ys = jnp.asarray(x), jnp.asarray(y.astype("int32"))
-
-    def run():
-        holder["state"] = step(holder["state"], xs, ys)
-        return jax.block_until_ready(holder["state"])
-
+    run = _jax_runner(step, params, x, y.astype("int32"))
     for _ in range(2):  # compile and warm up
         run()
     return run

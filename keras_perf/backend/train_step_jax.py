@@ -10,7 +10,7 @@ a non-canonical layout and runs them as naive loops, so micro-batching a convolu
 is about 6x slower per step there (docs/BENCHMARKS.md, runs 5 and 6). It is XLA's, not this
 step's: the same CNN written in bare JAX with its slices in `lax.scan` is as slow
 (benchmarks/_floors.py `raw_cnn_step`), and jax-ml/jax#12868 ("Convolution is significantly
-slower inside a loop body (CPU)", open since 2022) reports the cause. Unrolling the slices is
+slower inside a loop body (CPU)", open since 2022) reports the same slowdown. Unrolling the slices is
 fast but lets XLA keep several slices' activations alive (optimization barriers are dropped on
 CPU, and data dependencies between slices kept only 1.35x of the 3.9x saving), so the scan
 stays.

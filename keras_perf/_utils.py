@@ -43,9 +43,10 @@ def in_training_step() -> bool:
 def metric_results_deferred():
     """Inside it, `kp.LossScaleTrainStep.get_metrics_result()` returns `{}` at once.
 
-    Keras' `compute_metrics` updates the metrics and then returns `get_metrics_result()`. An
-    eager step (PyTorch) that calls it per slice and reads the results once at the end would
-    otherwise compute every result once per slice plus once more, for nothing.
+    Keras' `compute_metrics` updates the metrics and then returns `get_metrics_result()`. The
+    train step calls it once per slice and reads the results once at the end; without this it
+    would compute every result once per slice plus once more, for nothing (eagerly on
+    PyTorch; traced into the compiled step on TensorFlow and JAX).
     """
     return _thread_flag("defer_results")
 

@@ -30,6 +30,7 @@ from keras_perf._utils import (
     all_finite,
     first_tensor,
     map_batch,
+    metric_results_deferred,
     sum_of_squares,
     training_step,
     update_step_metrics,
@@ -74,7 +75,10 @@ class TrainStep:
             optimizer_variables=optimizer_vars,
         )
         unscaled_loss, y_pred, non_trainable, metrics_vars = aux
-        _, metrics_vars = self._update_metrics_variables(metrics_vars, unscaled_loss, x, y, y_pred, sw)
+        with metric_results_deferred():  # read once, at the end of the step
+            _, metrics_vars = self._update_metrics_variables(
+                metrics_vars, unscaled_loss, x, y, y_pred, sw
+            )
         return grads, non_trainable, metrics_vars
 
     def _kp_train_step(self, state, data):

@@ -22,6 +22,7 @@ from keras_perf._utils import (
     all_finite,
     first_tensor,
     map_batch,
+    metric_results_deferred,
     training_step,
     update_step_metrics,
 )
@@ -121,7 +122,8 @@ class TrainStep:
         # Read after the forward pass: a subclassed model creates its weights on first call.
         variables = self.trainable_weights
         grads = tape.gradient(scaled, variables) if variables else []
-        self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+        with metric_results_deferred():  # read once, at the end of the step
+            self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         return grads, variables
 
     def train_step(self, data):

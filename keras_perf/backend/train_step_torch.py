@@ -71,7 +71,7 @@ class TrainStep:
                 scaled = self.optimizer.scale_loss(scaled)
             if variables:
                 scaled.backward()
-            with metric_results_deferred():  # read once, below
+            with metric_results_deferred():  # read once, at the end of the step
                 self.compute_metrics(xs, ys, y_pred, sample_weight=sws)
 
         if variables:

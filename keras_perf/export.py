@@ -51,6 +51,7 @@ def export_tflite(
     *,
     calibration_samples: int = 200,
     int8_io: bool = True,
+    allow_select_tf_ops: bool = False,
     custom_modules: Sequence[str] = (),
 ) -> dict:
     """Convert a Keras model to a TensorFlow Lite file, optionally quantized after training.
@@ -64,20 +65,35 @@ def export_tflite(
       `representative_data`; with `int8_io=True` the input and output tensors are int8 too
       (feed `round(x / scale + zero_point)`; `tflite_predict` does it for you).
 
+    Everything that reaches TFLite's native converter is checked first, so that a bad
+    argument is a `ValueError` rather than a crashed Python process: the calibration data
+    (inputs, shapes, dtypes, finite values, at least one example), the path, and after an
+    `"int8"` conversion the file itself (every inner tensor integer, finite scales). The
+    model's input names in `model.inputs` order are stored in the file's metadata, so that
+    `tflite_predict` takes inputs in the model's order.
+
     Args:
         model: A built Keras model (it has been called, or it has an `Input`).
-        path: Where to write the `.tflite` file (parent directory must exist).
+        path: Where to write the `.tflite` file (its directory must exist and be writable).
         quantization: One of `None`, `"dynamic"`, `"float16"`, `"int8"`. Defaults to `None`.
         representative_data: Calibration inputs, required for `"int8"` and refused otherwise:
-            an array of examples (first axis = examples) for a one-input model, a list of
-            arrays (model input order) for a multi-input model, or a callable returning an
-            iterable of samples in TFLite's `representative_dataset` format (each sample a
-            list with one batch-of-one array per input). Defaults to `None`.
+            an array of examples (first axis = examples) for a one-input model; for a
+            multi-input model a list of arrays in `model.inputs` order or a dict keyed by
+            input name; or a callable returning an iterable of samples (TFLite's
+            `representative_dataset`), each sample a batch (usually of one) given the same
+            way: an array, a list in `model.inputs` order, or a dict keyed by input name.
+            Defaults to `None`.
         calibration_samples: How many examples of an array `representative_data` to
-            calibrate on (the first ones; pass shuffled data). Defaults to `200`.
+            calibrate on (the first ones; pass shuffled data). A callable's samples are all
+            used. Defaults to `200`.
         int8_io: With `"int8"`, make the model's input and output tensors int8 (as
             microcontroller runtimes need); `False` keeps float32 in and out around the int8
             body. Defaults to `True`.
+        allow_select_tf_ops: Let the converter keep ops that TFLite has no builtin kernel
+            for as TensorFlow ops (TFLite's "select TF ops", e.g. the loop of an `LSTM` or
+            `GRU`). The file then needs an interpreter linked with the Flex delegate (Android:
+            `org.tensorflow:tensorflow-lite-select-tf-ops`); the report lists the ops under
+            `select_tf_ops`. Defaults to `False`.
         custom_modules: PyTorch backend only: modules the TensorFlow child process imports
             before loading the model, so that custom registered layers resolve.
             Defaults to `()`.
@@ -85,15 +101,21 @@ def export_tflite(
     Returns:
         A dict: `path`, `bytes` (file size), `quantization`, `input_dtype`, `output_dtype`
         (of the first input/output, e.g. `"int8"`), `input_quantization`,
-        `output_quantization` (`(scale, zero_point)` or `None`), and `inputs`/`outputs`: one
-        dict per tensor with `name`, `shape` (-1 for the batch dimension), `dtype`,
-        `quantization`.
+        `output_quantization` (`(scale, zero_point)` or `None`), `inputs`/`outputs`: one
+        dict per tensor in the file's order with `name`, `key` (its signature name: the
+        Keras input name, or `output_0`... / the output dict key), `shape` (-1 for the batch
+        dimension), `dtype`, `quantization`; `input_order` (input names in `model.inputs`
+        order) and `select_tf_ops` (TensorFlow ops kept in the file; empty without
+        `allow_select_tf_ops`).
 
     Raises:
         ValueError: `quantization` is not a known mode; `"int8"` without
             `representative_data`, or `representative_data` with another mode; the model is
-            not built; `representative_data` does not match the model's inputs.
-        TypeError: a keyword argument has the wrong type.
+            not built; `path`'s directory does not exist or is not writable; the
+            calibration data does not match the model's inputs, is empty or not finite; the
+            converter needs select TF ops and `allow_select_tf_ops` is off; an `"int8"`
+            conversion did not give a full-integer file.
+        TypeError: an argument has the wrong type.
         RuntimeError: PyTorch backend: the TensorFlow child process failed (its error is
             quoted).
 
@@ -109,9 +131,15 @@ def export_tflite(
         raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"`path` must be a str or path-like, got {type(path).__name__}.")
+    if quantization is not None and not isinstance(quantization, str):
+        raise TypeError(
+            f"`quantization` must be None or one of {QUANTIZATIONS[1:]}, got "
+            f"{type(quantization).__name__}."
+        )
     check_choice("quantization", quantization, QUANTIZATIONS)
     check_int("calibration_samples", calibration_samples, minimum=1)
     check_bool("int8_io", int8_io)
+    check_bool("allow_select_tf_ops", allow_select_tf_ops)
     if isinstance(custom_modules, str) or not all(isinstance(m, str) for m in custom_modules):
         raise TypeError(f"`custom_modules` must be a list of module names, got {custom_modules!r}.")
     if quantization == "int8" and representative_data is None:
@@ -122,6 +150,8 @@ def export_tflite(
             "quantization='dynamic', which needs no data."
         )
     if quantization != "int8" and representative_data is not None:
+        # TF's converter does not ignore a representative dataset either: with optimizations
+        # on it switches to integer quantization. Our modes are explicit, so refuse it.
         raise ValueError(
             f"`representative_data` is only used with quantization='int8'; got it with "
             f"quantization={quantization!r}. Drop it, or ask for 'int8'."
@@ -131,27 +161,99 @@ def export_tflite(
             "`model` is not built, so its input signature is unknown: start it with "
             "`keras.Input(shape)`, or call it once on a batch (`model(x[:1])`) before exporting."
         )
-    path = Path(path)
-    if not path.parent.exists():
-        raise ValueError(f"`path`'s directory {str(path.parent)!r} does not exist.")
+    path = _check_path(path)
+    specs = _input_specs(model)  # None: a subclassed model, its signature is read on export.
 
-    arrays = None
-    if quantization == "int8" and not callable(representative_data):
-        arrays = _calibration_arrays(model, representative_data, calibration_samples)
+    calibration = None
+    if quantization == "int8":
+        calibration = _calibration(representative_data, specs, _input_count(model))
+        if not callable(representative_data):
+            calibration = [a[:calibration_samples] for a in calibration]
+        if specs is not None:
+            _check_calibration(model, calibration, specs)
 
     if keras.backend.backend() == "torch":
         return _export_via_tensorflow_process(
-            model, path, quantization, arrays, int8_io, list(custom_modules)
+            model,
+            path,
+            quantization,
+            calibration,
+            int8_io,
+            allow_select_tf_ops,
+            list(custom_modules),
         )
 
-    dataset = None
-    if quantization == "int8":
-        dataset = representative_data if arrays is None else _dataset(arrays)
+    known_order = True
     with tempfile.TemporaryDirectory() as saved_model_dir, _tflite.quiet_tensorflow_logs():
         model.export(saved_model_dir, format="tf_saved_model", verbose=False)
-        content = _tflite.convert_saved_model(saved_model_dir, quantization, dataset, int8_io)
+        if specs is None:
+            specs = _tflite.saved_model_inputs(saved_model_dir)
+            if len(specs) > 1:
+                known_order = False  # A subclassed model's argument order is not recorded.
+            if calibration is not None:
+                _check_calibration(model, calibration, specs)
+        dataset = None
+        if calibration is not None:
+            dataset = _dataset(calibration, [name for name, _, _ in specs])
+        try:
+            content = _tflite.convert_saved_model(
+                saved_model_dir, quantization, dataset, int8_io, allow_select_tf_ops
+            )
+        except _tflite.NeedsSelectTfOps as e:
+            raise ValueError(
+                "TFLite's builtin ops cannot express this model (e.g. the loop of an LSTM/GRU "
+                "with a free batch size); the converter said:\n"
+                + _last_lines(str(e), 3)
+                + "\nPass `allow_select_tf_ops=True` to keep those ops as TensorFlow ops; "
+                "the file then needs an interpreter linked with the Flex delegate (Android: "
+                "`org.tensorflow:tensorflow-lite-select-tf-ops`)."
+            ) from None
+    if quantization == "int8":
+        problems = _tflite.integer_problems(content, int8_io, allow_select_tf_ops)
+        if problems:
+            raise ValueError(
+                "quantization='int8' did not give a full-integer file, so nothing was written: "
+                + "; ".join(problems)
+                + ". Check `representative_data` (real, finite examples in the model's input "
+                "range), or use quantization='dynamic'."
+            )
+    order = [name for name, _, _ in specs]
+    keys = [d["key"] for d in _tflite.describe(content)[0]]
+    if known_order and sorted(order) == sorted(k for k in keys if k is not None):
+        # What lets `tflite_predict` take a list in `model.inputs` order.
+        metadata = json.dumps({"inputs": order}).encode()
+        content = _tflite.add_metadata(content, METADATA_NAME, metadata)
     path.write_bytes(content)
     return _report(path, content, quantization)
+
+
+METADATA_NAME = "keras_perf"
+
+
+def _check_path(path) -> Path:
+    path = Path(path)
+    parent = path.parent
+    if not parent.exists():
+        raise ValueError(f"`path`'s directory {str(parent)!r} does not exist; create it first.")
+    if not parent.is_dir():
+        raise ValueError(f"`path`'s parent {str(parent)!r} is not a directory.")
+    if path.is_dir():
+        raise ValueError(f"`path` {str(path)!r} is a directory; give a file name (`m.tflite`).")
+    try:
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=".keras_perf_probe_"):
+            pass
+    except OSError as e:
+        raise ValueError(
+            f"`path`'s directory {str(parent)!r} is not writable ({type(e).__name__}: {e})."
+        ) from None
+    if path.exists() and not os.access(path, os.W_OK):
+        raise ValueError(f"`path` {str(path)!r} exists and is not writable.")
+    return path
+
+
+def _last_lines(text: str, n: int) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return "\n".join(lines[-n:])
 
 
 def _model_inputs(model) -> list:
@@ -170,36 +272,180 @@ def _input_count(model) -> int:
         return 1
 
 
-def _calibration_arrays(model, data, samples: int) -> list[np.ndarray]:
-    n_inputs = _input_count(model)
-    if n_inputs == 1:
-        arrays = [np.asarray(data, dtype="float32")]
-    else:
-        if not isinstance(data, (list, tuple)) or len(data) != n_inputs:
-            raise ValueError(
-                f"The model has {n_inputs} inputs, so `representative_data` must be a list of "
-                f"{n_inputs} arrays (model input order) or a callable; got {type(data).__name__}."
-            )
-        arrays = [np.asarray(a, dtype="float32") for a in data]
-    lengths = {len(a) for a in arrays} if all(a.ndim for a in arrays) else {0}
-    if len(lengths) != 1 or 0 in lengths:
+def _input_specs(model) -> list[tuple] | None:
+    """`(name, shape, dtype)` per input in `model.inputs` order; `None` for a subclassed model.
+
+    The names are the ones `model.export` gives the SavedModel signature, so the TFLite
+    file's signature too.
+    """
+    try:
+        inputs = list(model.inputs or [])
+    except (AttributeError, ValueError):
+        return None
+    if not inputs:
+        return None
+    return [(t.name, tuple(t.shape), str(t.dtype)) for t in inputs]
+
+
+def _calibration(data, specs, n_inputs: int) -> list[np.ndarray]:
+    """`representative_data` as one array per input, in `model.inputs` order (unchecked)."""
+    names = None if specs is None else [name for name, _, _ in specs]
+    if not callable(data):
+        return _per_input(data, names, n_inputs, "`representative_data`")
+    samples = data()
+    try:
+        iterator = iter(samples)
+    except TypeError:
+        raise TypeError(
+            "A callable `representative_data` must return an iterable of samples (e.g. be a "
+            f"generator function); it returned {type(samples).__name__}."
+        ) from None
+    columns = None
+    for i, sample in enumerate(iterator):
+        if isinstance(sample, tuple) and len(sample) == 2 and isinstance(sample[1], dict):
+            sample = sample[1]  # TFLite's (signature_key, {name: array}) form.
+        arrays = _per_input(sample, names, n_inputs, f"`representative_data` sample {i}")
+        if columns is None:
+            columns = [[] for _ in arrays]
+        for column, a in zip(columns, arrays):
+            if a.ndim == 0:
+                raise ValueError(
+                    f"`representative_data` sample {i} holds a scalar; each sample must be a "
+                    "batch (usually of one example: `x[i:i+1]`)."
+                )
+            column.append(a)
+    if columns is None:
         raise ValueError(
-            "`representative_data` must hold at least one example per input, with the same "
-            f"number of examples for every input; got shapes {[a.shape for a in arrays]}."
+            "`representative_data` yielded no samples, so there is nothing to calibrate on "
+            "(the converter would return a float model). Is the generator already exhausted? "
+            "Pass a function that creates a new generator on each call, or an array."
         )
-    return [a[:samples] for a in arrays]
+    out = []
+    for k, column in enumerate(columns):
+        shapes = {a.shape[1:] for a in column}
+        if len(shapes) != 1:
+            raise ValueError(
+                f"`representative_data` samples disagree on the shape of input "
+                f"{_input_label(names, k)}: {sorted(shapes)} (batch axis left out)."
+            )
+        out.append(np.concatenate(column, axis=0))
+    return out
 
 
-def _dataset(arrays: list[np.ndarray]) -> Callable:
+def _input_label(names, k: int) -> str:
+    return f"{k} ({names[k]!r})" if names else str(k)
+
+
+def _per_input(data, names, n_inputs: int, what: str) -> list[np.ndarray]:
+    """Arrays in `model.inputs` order from an array, a list (that order) or a name-keyed dict."""
+    if isinstance(data, dict):
+        if names is None:
+            if len(data) != 1:
+                raise ValueError(f"{what}: the model has 1 input; got a dict of {len(data)}.")
+            return [_as_array(next(iter(data.values())), what)]
+        if set(data) != set(names):
+            raise ValueError(
+                f"{what} is a dict with keys {sorted(map(str, data))}; the model's inputs are "
+                f"named {names} (`model.inputs` order): give exactly those keys."
+            )
+        return [_as_array(data[name], f"{what}[{name!r}]") for name in names]
+    if n_inputs == 1:
+        if isinstance(data, (list, tuple)) and len(data) == 1 and hasattr(data[0], "shape"):
+            data = data[0]  # [array]: the one input's batch, TFLite's sample format.
+        return [_as_array(data, what)]
+    if not isinstance(data, (list, tuple)) or len(data) != n_inputs:
+        got = f"{len(data)} items" if isinstance(data, (list, tuple)) else type(data).__name__
+        raise ValueError(
+            f"The model has {n_inputs} inputs ({', '.join(map(repr, names or []))}), so {what} "
+            f"must be a list of {n_inputs} arrays (model input order) or a dict keyed by input "
+            f"name; got {got}."
+        )
+    return [
+        _as_array(a, f"{what}[{k}] (input {_input_label(names, k)})") for k, a in enumerate(data)
+    ]
+
+
+def _as_array(value, what: str) -> np.ndarray:
+    try:
+        array = np.asarray(value)
+    except Exception as e:  # ragged nested lists and the like.
+        raise ValueError(f"{what} cannot be read as an array ({type(e).__name__}: {e}).") from e
+    if array.dtype.kind not in "biuf":
+        raise ValueError(
+            f"{what} has dtype {array.dtype}; calibration data must be numbers (bool, integer "
+            "or floating point)."
+        )
+    return array
+
+
+def _check_calibration(model, arrays: list[np.ndarray], specs: list[tuple]) -> None:
+    """Shapes, example counts and finiteness of calibration arrays against the model's inputs,
+    then the model's outputs on them: what TFLite's calibrator would crash or fail on."""
+    names = [name for name, _, _ in specs]
+    if len(arrays) != len(specs):
+        raise ValueError(
+            f"The model has {len(specs)} inputs ({names}); `representative_data` gives "
+            f"{len(arrays)}."
+        )
+    for k, (a, (_, shape, dtype)) in enumerate(zip(arrays, specs)):
+        label = f"input {_input_label(names, k)}"
+        expected = "(" + ", ".join(["examples"] + [str(d) for d in shape[1:]]) + ")"
+        if a.ndim != len(shape) or any(
+            d is not None and d != g for d, g in zip(shape[1:], a.shape[1:])
+        ):
+            raise ValueError(
+                f"`representative_data` for {label}: expected shape {expected}, got {a.shape}."
+            )
+        if len(a) == 0:
+            raise ValueError(
+                f"`representative_data` for {label} holds no examples (shape {a.shape}); "
+                "calibration needs at least one example per input."
+            )
+        with np.errstate(over="ignore", invalid="ignore"):
+            a = arrays[k] = a.astype(dtype, copy=False)  # float64 1e300 -> inf: caught next.
+        if a.dtype.kind == "f":
+            bad = ~np.isfinite(a)
+            if bad.any():
+                where = tuple(int(i) for i in np.argwhere(bad)[0])
+                kinds = [k for k, m in (("NaN", np.isnan(a)), ("Inf", np.isinf(a))) if m.any()]
+                raise ValueError(
+                    f"`representative_data` for {label} has {int(bad.sum())} non-finite "
+                    f"value(s) ({' and '.join(kinds)}), the first at index {where} (example "
+                    f"{where[0]}). TFLite calibration needs finite ranges (an Inf crashes the "
+                    "converter, NaN gives a float file): clean or drop those examples."
+                )
+    counts = {len(a) for a in arrays}
+    if len(counts) != 1:
+        raise ValueError(
+            "`representative_data` must hold the same number of examples for every input; got "
+            f"{ {name: len(a) for name, a in zip(names, arrays)} }."
+        )
+    x = arrays[0] if len(arrays) == 1 else dict(zip(names, arrays))
+    outputs = model.predict(x, batch_size=min(len(arrays[0]), 256), verbose=0)
+    for i, y in enumerate(keras.tree.flatten(outputs)):
+        y = np.asarray(keras.ops.convert_to_numpy(y))
+        if y.dtype.kind == "f" and not np.isfinite(y).all():
+            raise ValueError(
+                f"The model's output {i} is not finite on `representative_data` (the "
+                "activations overflow or hit NaN), so its int8 ranges cannot be calibrated: "
+                "pass examples in the range the model was trained on."
+            )
+
+
+def _dataset(arrays: list[np.ndarray], names: list[str]) -> Callable:
+    # Samples keyed by signature input name: TFLite's calibrator maps them to its own tensor
+    # order (a list would be taken in the file's order, which is not `model.inputs` order).
     def dataset():
         for i in range(len(arrays[0])):
-            yield [a[i : i + 1] for a in arrays]
+            yield {name: a[i : i + 1] for name, a in zip(names, arrays)}
 
     return dataset
 
 
 def _report(path: Path, content: bytes, quantization) -> dict:
     inputs, outputs = _tflite.describe(content)
+    for entry in inputs + outputs:
+        entry.pop("index")
     return {
         "path": str(path),
         "bytes": len(content),
@@ -210,7 +456,19 @@ def _report(path: Path, content: bytes, quantization) -> dict:
         "output_quantization": outputs[0]["quantization"],
         "inputs": inputs,
         "outputs": outputs,
+        "input_order": _stored_input_order(content),
+        "select_tf_ops": _tflite.flex_ops(content),
     }
+
+
+def _stored_input_order(content: bytes) -> list[str] | None:
+    raw = _tflite.read_metadata(content, METADATA_NAME)
+    if raw is None:
+        return None
+    try:
+        return list(json.loads(raw.decode())["inputs"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 _CHILD = """
@@ -227,19 +485,15 @@ if args["data"] is not None:
     data = data[0] if len(data) == 1 else data
 report = keras_perf.export_tflite(
     model, args["path"], args["quantization"], data,
-    calibration_samples=args["calibration_samples"], int8_io=args["int8_io"])
+    calibration_samples=args["calibration_samples"], int8_io=args["int8_io"],
+    allow_select_tf_ops=args["allow_select_tf_ops"])
 print("KERAS_PERF_REPORT " + json.dumps(report))
 """
 
 
 def _export_via_tensorflow_process(
-    model, path, quantization, arrays, int8_io, custom_modules
+    model, path, quantization, arrays, int8_io, allow_select_tf_ops, custom_modules
 ) -> dict:
-    if quantization == "int8" and arrays is None:
-        raise ValueError(
-            "On the PyTorch backend the conversion runs in a TensorFlow child process, so "
-            "`representative_data` must be arrays, not a callable."
-        )
     with tempfile.TemporaryDirectory() as tmp:
         model_file = os.path.join(tmp, "model.keras")
         try:
@@ -264,21 +518,23 @@ def _export_via_tensorflow_process(
             "data": data_files,
             "calibration_samples": len(arrays[0]) if arrays else 1,
             "int8_io": int8_io,
+            "allow_select_tf_ops": allow_select_tf_ops,
             "custom_modules": custom_modules,
         }
         env = dict(os.environ, KERAS_BACKEND="tensorflow", TF_CPP_MIN_LOG_LEVEL="2")
         # The child must import this very keras_perf (a checkout may shadow an install).
         package_root = str(Path(__file__).resolve().parents[1])
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (package_root, env.get("PYTHONPATH")) if p
-        )
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
         proc = subprocess.run(
             [sys.executable, "-c", _CHILD, json.dumps(args)],
-            env=env, capture_output=True, text=True, check=False,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
         )
     for line in proc.stdout.splitlines():
         if line.startswith("KERAS_PERF_REPORT "):
-            report = json.loads(line[len("KERAS_PERF_REPORT "):])
+            report = json.loads(line[len("KERAS_PERF_REPORT ") :])
             for key in ("input_quantization", "output_quantization"):
                 if report[key] is not None:
                     report[key] = tuple(report[key])
@@ -303,23 +559,36 @@ def _export_via_tensorflow_process(
 def tflite_predict(path: str | os.PathLike | bytes, x, batch_size: int = 256, num_threads=None):
     """Run a `.tflite` model on `x` and return float outputs, like `model.predict`.
 
+    Inputs are taken as `model.predict` takes them: one array for a one-input model; for
+    several inputs a list in `model.inputs` order or a dict keyed by input name. The file's
+    own tensor order can differ from `model.inputs` (the converter orders them its own way),
+    so inputs are matched by name through the file's signature, using the input order that
+    `export_tflite` stores in the file's metadata. Outputs come back as `model.predict`
+    returns them: an array for one output, a list in the model's order for several, a dict
+    for a model with dict outputs.
+
     Int8 inputs are quantized with the file's own scale and zero point, and int8 outputs
     dequantized, so the result compares directly with the Keras model's predictions. Uses
     `ai_edge_litert`'s interpreter when installed, else `tf.lite.Interpreter`.
 
     Args:
         path: The `.tflite` file, or its contents as bytes.
-        x: An array (one-input model) or a list of arrays in the file's input order.
+        x: An array (one-input model), a list of arrays in `model.inputs` order, or a dict
+            of arrays keyed by input name. A multi-input file that `export_tflite` did not
+            write has no stored order: pass a dict.
         batch_size: Examples per interpreter call. Defaults to `256`.
         num_threads: Interpreter threads, `None` for TFLite's default. Defaults to `None`.
 
     Returns:
-        A float array of outputs (a list of arrays when the model has several outputs).
+        A float array of outputs; a list of arrays (model output order) for several outputs;
+        a dict of arrays for a model with dict outputs.
 
     Raises:
         TypeError: `batch_size` or `num_threads` is not an int.
-        ValueError: `batch_size`/`num_threads` below 1; the number of input arrays does not
-            match the model's inputs.
+        ValueError: `batch_size`/`num_threads` below 1; the inputs do not match the file's
+            (number, names, shapes, dtype, example counts, none at all).
+        RuntimeError: the file holds TensorFlow (select TF) ops and this interpreter cannot
+            run them.
 
     Example:
         >>> import keras, numpy as np, keras_perf as kp
@@ -332,16 +601,92 @@ def tflite_predict(path: str | os.PathLike | bytes, x, batch_size: int = 256, nu
     """
     check_int("batch_size", batch_size, minimum=1)
     check_int("num_threads", num_threads, minimum=1, allow_none=True)
-    content = path if isinstance(path, bytes) else Path(path).read_bytes()
-    inputs = [np.asarray(a) for a in x] if isinstance(x, (list, tuple)) else [np.asarray(x)]
-    in_details, _ = _tflite.describe(content)
-    if len(inputs) != len(in_details):
+    if isinstance(path, bytes):
+        content = path
+    elif isinstance(path, (str, os.PathLike)):
+        content = Path(path).read_bytes()
+    else:
+        raise TypeError(f"`path` must be a path or bytes, got {type(path).__name__}.")
+    in_details, out_details = _tflite.describe(content)
+    feeds = _feeds(x, in_details, _stored_input_order(content))
+    results = _tflite.predict(content, feeds, batch_size, num_threads)
+    keys = [d["key"] for d in out_details]
+    if None in keys:  # No signature: the file's order.
+        outputs = [results[d["index"]] for d in out_details]
+        return outputs[0] if len(outputs) == 1 else outputs
+    by_key = {d["key"]: results[d["index"]] for d in out_details}
+    positional = [f"output_{i}" for i in range(len(keys))]
+    if sorted(keys) == sorted(positional):
+        outputs = [by_key[k] for k in positional]
+        return outputs[0] if len(outputs) == 1 else outputs
+    return {k: by_key[k] for k in sorted(by_key)}
+
+
+def _feeds(x, in_details: list[dict], order: list[str] | None) -> dict:
+    """Input tensor index -> checked array, from `x` as `model.predict` takes it."""
+    keys = [d["key"] for d in in_details]  # Signature names, in the file's tensor order.
+    signed = None not in keys
+    if not signed:
+        order = None
+    elif order is None or sorted(order) != sorted(keys):
+        order = None
+    names = order or (sorted(keys) if signed else [d["name"] for d in in_details])
+    if isinstance(x, dict):
+        if not signed:
+            raise ValueError(
+                "This TFLite file has no signature, so its inputs have no names: pass `x` as a "
+                "list in the file's input order."
+            )
+        if set(x) != set(keys):
+            raise ValueError(
+                f"`x` is a dict with keys {sorted(map(str, x))}; the TFLite file's inputs are "
+                f"named {names}: give exactly those keys."
+            )
+        by_key = dict(x)
+    else:
+        items = list(x) if isinstance(x, (list, tuple)) else [x]
+        if len(items) != len(keys):
+            raise ValueError(
+                f"The TFLite model has {len(keys)} inputs ({', '.join(names)}); got "
+                f"{len(items)} arrays."
+            )
+        if len(items) == 1 or not signed:
+            by_key = dict(zip(keys, items)) if signed else dict(enumerate(items))
+            keys = keys if signed else list(range(len(items)))
+        elif order is None:
+            raise ValueError(
+                "This multi-input TFLite file does not record the model's input order (it was "
+                "not written by `export_tflite`), so a list is ambiguous: pass `x` as a dict "
+                f"keyed by input name ({', '.join(names)})."
+            )
+        else:
+            by_key = dict(zip(order, items))
+    feeds = {}
+    for detail, key in zip(in_details, keys):
+        label = f"input {key!r}" if signed else f"input {key}"
+        try:
+            a = np.asarray(by_key[key])
+        except Exception as e:
+            raise ValueError(f"`x` for {label} cannot be read as an array ({e}).") from e
+        if a.dtype.kind not in "biuf":
+            raise ValueError(f"`x` for {label} has dtype {a.dtype}; expected numbers.")
+        shape = detail["shape"]
+        if a.ndim != len(shape) or any(d != -1 and d != g for d, g in zip(shape[1:], a.shape[1:])):
+            dims = ", ".join("None" if d == -1 else str(d) for d in shape[1:])
+            raise ValueError(f"`x` for {label}: expected shape (examples, {dims}), got {a.shape}.")
+        # Quantized inputs are quantized from float by `_tflite.predict`; others take the
+        # file's dtype.
+        dtype = "float32" if detail["quantization"] else detail["dtype"]
+        with np.errstate(over="ignore", invalid="ignore"):
+            feeds[detail["index"]] = a.astype(dtype, copy=False)
+    counts = {len(a) for a in feeds.values()}
+    if len(counts) != 1:
         raise ValueError(
-            f"The TFLite model has {len(in_details)} inputs "
-            f"({', '.join(d['name'] for d in in_details)}); got {len(inputs)} arrays."
+            f"Every input of `x` needs the same number of examples; got {sorted(counts)}."
         )
-    outputs = _tflite.predict(content, inputs, batch_size, num_threads)
-    return outputs[0] if len(outputs) == 1 else outputs
+    if counts == {0}:
+        raise ValueError("`x` holds no examples.")
+    return feeds
 
 
 # ----------------------------------------------------------------------------------------------
@@ -405,8 +750,14 @@ def compression_report(model: keras.Model, compresslevel: int = 9) -> dict:
         raw = np.ascontiguousarray(value).tobytes()
         row = rows.setdefault(
             id(layer),
-            {"name": layer.name, "class": type(layer).__name__, "params": 0, "nonzero": 0,
-             "bytes": 0, "_blobs": []},
+            {
+                "name": layer.name,
+                "class": type(layer).__name__,
+                "params": 0,
+                "nonzero": 0,
+                "bytes": 0,
+                "_blobs": [],
+            },
         )
         row["params"] += int(value.size)
         row["nonzero"] += int(np.count_nonzero(value))

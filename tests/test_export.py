@@ -120,10 +120,21 @@ def test_int8_with_float_io_and_callable_calibration(trained, digits, tmp_path):
 
 
 @pytest.mark.backends("torch")
-def test_torch_refuses_a_callable_representative_dataset(trained, tmp_path):
-    model, _ = trained
-    with pytest.raises(ValueError, match="must be arrays, not a callable"):
-        kp.export_tflite(model, tmp_path / "m.tflite", "int8", representative_data=lambda: iter([]))
+def test_torch_takes_a_callable_representative_dataset(trained, digits, tmp_path):
+    # The samples are drawn in this process and shipped to the TensorFlow child as arrays.
+    model, logits = trained
+    (x, _), (xv, _) = digits
+
+    def representative():
+        for i in range(50):
+            yield [x[i : i + 1]]
+
+    report = kp.export_tflite(
+        model, tmp_path / "m.tflite", "int8", representative_data=representative
+    )
+    assert report["input_dtype"] == "int8"
+    tfl = kp.tflite_predict(report["path"], xv)
+    assert np.mean(np.argmax(tfl, 1) == np.argmax(logits, 1)) >= 0.95
 
 
 @pytest.mark.backends("tensorflow", "jax")
@@ -177,13 +188,19 @@ def test_int8_without_representative_data_is_a_clear_error(trained, tmp_path):
     "kwargs, error, match",
     [
         ({"quantization": "int4"}, ValueError, "`quantization` must be one of"),
-        ({"quantization": "dynamic", "representative_data": np.zeros((4, 64))}, ValueError,
-         "only used with quantization='int8'"),
+        (
+            {"quantization": "dynamic", "representative_data": np.zeros((4, 64))},
+            ValueError,
+            "only used with quantization='int8'",
+        ),
         ({"calibration_samples": 0}, ValueError, "`calibration_samples` must be an integer >= 1"),
         ({"int8_io": "yes"}, TypeError, "`int8_io` must be True or False"),
         ({"custom_modules": "my.layers"}, TypeError, "`custom_modules` must be a list"),
-        ({"quantization": "int8", "representative_data": np.zeros((0, 64))}, ValueError,
-         "at least one example"),
+        (
+            {"quantization": "int8", "representative_data": np.zeros((0, 64))},
+            ValueError,
+            "at least one example",
+        ),
     ],
 )
 def test_bad_arguments(trained, tmp_path, kwargs, error, match):
@@ -290,3 +307,292 @@ def test_compression_report_bad_arguments():
         kp.compression_report(_mlp(), compresslevel=0)
     with pytest.raises(ValueError, match="not built"):
         kp.compression_report(keras.Sequential([keras.layers.Dense(2)]))
+
+
+# ----------------------------------------------------------------------------------------------
+# What goes into the native converter is checked first (a bad input used to crash the process)
+# ----------------------------------------------------------------------------------------------
+
+
+def _two_inputs(names=("a", "b")):
+    # Same shapes, not symmetric: swapping the inputs changes the result 100-fold. With the
+    # names "a", "b" the converter orders the file's input tensors b, a.
+    a, b = keras.Input((3,), name=names[0]), keras.Input((3,), name=names[1])
+    return keras.Model([a, b], keras.layers.Add()([a, keras.layers.Rescaling(100.0)(b)]))
+
+
+def _no_conversion(monkeypatch):
+    def fail(*args, **kwargs):
+        raise AssertionError("the converter ran although the arguments were bad")
+
+    monkeypatch.setattr(kp.export._tflite, "convert_saved_model", fail)
+    monkeypatch.setattr(kp.export, "_export_via_tensorflow_process", fail)
+
+
+def _calibration_cases():
+    x = np.random.default_rng(0).random((32, 8), dtype="float32")
+    inf, nan, part = x.copy(), np.full_like(x, np.nan), x.copy()
+    inf[3, 2] = np.inf
+    part[5, 1] = np.nan
+
+    def gen(arrays):
+        return lambda: iter(arrays)
+
+    return [
+        # Exit code 139 (segfault) before the fix.
+        (
+            inf,
+            r"input 0 \('keras_tensor'\) has 1 non-finite value\(s\) \(Inf\), the first at "
+            r"index \(3, 2\) \(example 3\)",
+        ),
+        # A float file labelled int8 before the fix.
+        (nan, r"has 256 non-finite value\(s\) \(NaN\), the first at index \(0, 0\)"),
+        (part, r"has 1 non-finite value\(s\) \(NaN\), the first at index \(5, 1\)"),
+        # TFLite RuntimeErrors 15 frames deep before the fix.
+        (
+            x[:, :5],
+            r"for input 0 \('keras_tensor'\): expected shape \(examples, 8\), got "
+            r"\(32, 5\)",
+        ),
+        (
+            gen([[x[i : i + 1, :5]] for i in range(4)]),
+            r"expected shape \(examples, 8\), got "
+            r"\(4, 5\)",
+        ),
+        (np.array([["a"] * 8] * 4), "has dtype <U1; calibration data must be numbers"),
+        (x[:0], r"holds no examples \(shape \(0, 8\)\)"),
+        # A float file labelled int8 before the fix.
+        (gen([]), "yielded no samples"),
+        (lambda: 5, "must return an iterable of samples"),
+        (
+            {"other": x},
+            r"dict with keys \['other'\]; the model's inputs are named "
+            r"\['keras_tensor'\]",
+        ),
+        # Finite inputs whose activations overflow float32: an unusable file before the fix.
+        (x * 3e38, "output 0 is not finite on `representative_data`"),
+    ]
+
+
+@pytest.mark.parametrize("data, match", _calibration_cases())
+def test_bad_calibration_data_is_a_value_error_before_converting(
+    data, match, tmp_path, monkeypatch
+):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((8,), name="keras_tensor"), keras.layers.Dense(3), keras.layers.Dense(2)]
+    )
+    _no_conversion(monkeypatch)
+    error = TypeError if match.startswith("must return") else ValueError
+    with pytest.raises(error, match=match):
+        kp.export_tflite(model, tmp_path / "m.tflite", "int8", representative_data=data)
+    assert not (tmp_path / "m.tflite").exists()
+
+
+def test_calibration_of_a_two_input_model_names_the_input(tmp_path, monkeypatch):
+    model = _two_inputs()
+    x = np.ones((16, 3), "float32")
+    _no_conversion(monkeypatch)
+    bad = x.copy()
+    bad[7, 0] = -np.inf
+    with pytest.raises(ValueError, match=r"for input 1 \('b'\) has 1 non-finite .*index \(7, 0\)"):
+        kp.export_tflite(model, tmp_path / "m.tflite", "int8", representative_data=[x, bad])
+    with pytest.raises(
+        ValueError,
+        match=r"for input 0 \('a'\): expected shape \(examples, 3\), "
+        r"got \(16, 4\)",
+    ):
+        kp.export_tflite(
+            model,
+            tmp_path / "m.tflite",
+            "int8",
+            representative_data={"a": np.ones((16, 4)), "b": x},
+        )
+    with pytest.raises(ValueError, match="must be a list of 2 arrays .* got 3 items"):
+        kp.export_tflite(model, tmp_path / "m.tflite", "int8", representative_data=[x, x, x])
+    with pytest.raises(ValueError, match="same number of examples for every input"):
+        kp.export_tflite(model, tmp_path / "m.tflite", "int8", representative_data=[x, x[:5]])
+
+
+@pytest.mark.backends("tensorflow", "jax")
+def test_int8_file_that_fell_back_to_float_is_refused(tmp_path, monkeypatch):
+    # All-NaN calibration gets past the converter as a float32 file; with the input check
+    # switched off, the check on the converted file must still refuse it.
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
+    monkeypatch.setattr(kp.export, "_check_calibration", lambda *args: None)
+    with pytest.raises(
+        ValueError, match="did not give a full-integer file.*(no tensor is int8|stayed float32)"
+    ):
+        kp.export_tflite(
+            model,
+            tmp_path / "m.tflite",
+            "int8",
+            representative_data=np.full((16, 8), np.nan, "float32"),
+        )
+    assert not (tmp_path / "m.tflite").exists()
+
+
+@pytest.mark.parametrize(
+    "where, match",
+    [
+        ("file/m.tflite", "is not a directory"),
+        ("dir", "is a directory; give a file name"),
+        ("missing/m.tflite", "does not exist; create it first"),
+    ],
+)
+def test_bad_path_is_refused_before_converting(where, match, tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("")
+    (tmp_path / "dir").mkdir()
+    _no_conversion(monkeypatch)
+    with pytest.raises(ValueError, match=match):
+        kp.export_tflite(_mlp(), tmp_path / where)
+
+
+@pytest.mark.skipif(
+    not os.path.isdir("/proc"), reason="needs Linux /proc (unwritable, even for root)"
+)
+def test_unwritable_directory_is_refused_before_converting(monkeypatch):
+    _no_conversion(monkeypatch)
+    with pytest.raises(ValueError, match="`path`'s directory '/proc' is not writable"):
+        kp.export_tflite(_mlp(), "/proc/m.tflite")
+
+
+def test_unbuilt_subclassed_model_and_bad_quantization(tmp_path, monkeypatch):
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(3)
+
+        def call(self, x):
+            return self.dense(x)
+
+    _no_conversion(monkeypatch)
+    with pytest.raises(ValueError, match="not built"):
+        kp.export_tflite(Net(), tmp_path / "m.tflite")
+    with pytest.raises(ValueError, match="`quantization` must be one of None, 'dynamic'"):
+        kp.export_tflite(_mlp(), tmp_path / "m.tflite", "INT8")
+    with pytest.raises(TypeError, match="`quantization` must be None or one of"):
+        kp.export_tflite(_mlp(), tmp_path / "m.tflite", np.array([8]))
+    with pytest.raises(TypeError, match="`allow_select_tf_ops` must be True or False"):
+        kp.export_tflite(_mlp(), tmp_path / "m.tflite", allow_select_tf_ops=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# tflite_predict takes inputs as model.predict does and returns what it returns
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("names", [("a", "b"), ("b", "a"), (None, None)])
+def test_tflite_predict_takes_inputs_in_model_order_or_by_name(names, tmp_path):
+    if names[0] is None:  # Keras' own names.
+        a, b = keras.Input((3,)), keras.Input((3,))
+        model = keras.Model([a, b], keras.layers.Add()([a, keras.layers.Rescaling(100.0)(b)]))
+    else:
+        model = _two_inputs(names)
+    xa = np.full((5, 3), 4.0, "float32")
+    xb = np.random.default_rng(0).random((5, 3), dtype="float32")
+    expected = model.predict([xa, xb], verbose=0)
+    report = kp.export_tflite(model, tmp_path / "two.tflite")
+    order = report["input_order"]
+    if names[0] is not None or BACKEND != "torch":
+        assert order == [t.name for t in model.inputs]
+    else:  # The TensorFlow child reloads the .keras file: unnamed inputs get layer names.
+        assert order == ["input_layer", "input_layer_1"]
+    np.testing.assert_allclose(kp.tflite_predict(report["path"], [xa, xb]), expected, atol=1e-5)
+    got = kp.tflite_predict(report["path"], {order[1]: xb, order[0]: xa})
+    np.testing.assert_allclose(got, expected, atol=1e-5)
+    with pytest.raises(ValueError, match=r"`x` is a dict with keys \['zz'\]"):
+        kp.tflite_predict(report["path"], {"zz": xa})
+    with pytest.raises(
+        ValueError,
+        match=rf"`x` for input '{order[1]}': expected shape "
+        r"\(examples, 3\), got \(5, 4\)",
+    ):
+        kp.tflite_predict(report["path"], [xa, np.ones((5, 4))])
+    with pytest.raises(ValueError, match="same number of examples"):
+        kp.tflite_predict(report["path"], [xa, xb[:2]])
+
+
+@pytest.mark.backends("tensorflow", "jax")
+def test_tflite_predict_returns_outputs_as_model_predict(tmp_path):
+    a, b = keras.Input((3,), name="zeta"), keras.Input((3,), name="alpha")
+    first = keras.layers.Dense(2, name="first")(keras.layers.Concatenate()([a, b * 100.0]))
+    second = keras.layers.Dense(4, name="second")(a - b)
+    rng = np.random.default_rng(2)
+    x = [rng.random((6, 3), dtype="float32"), rng.random((6, 3), dtype="float32")]
+    listed = keras.Model([a, b], [first, second])
+    keyed = keras.Model({"zeta": a, "alpha": b}, {"yy": first, "aa": second})
+    for model, feed in ((listed, x), (keyed, {"zeta": x[0], "alpha": x[1]})):
+        expected = model.predict(feed, verbose=0)
+        path = kp.export_tflite(model, tmp_path / "m.tflite")["path"]
+        got = kp.tflite_predict(path, feed)
+        assert type(got) is type(expected)
+        if isinstance(expected, dict):
+            assert sorted(got) == sorted(expected) == ["aa", "yy"]
+            for key in expected:
+                np.testing.assert_allclose(got[key], expected[key], atol=1e-4)
+        else:
+            assert [y.shape for y in got] == [(6, 2), (6, 4)]
+            for y, e in zip(got, expected):
+                np.testing.assert_allclose(y, e, atol=1e-4)
+
+
+@pytest.mark.backends("tensorflow")
+def test_multi_input_file_from_elsewhere_needs_a_dict(tmp_path):
+    import tensorflow as tf
+
+    model = _two_inputs()
+    model.export(str(tmp_path / "sm"), format="tf_saved_model", verbose=False)
+    content = tf.lite.TFLiteConverter.from_saved_model(str(tmp_path / "sm")).convert()
+    x = [np.full((2, 3), 4.0, "float32"), np.zeros((2, 3), "float32")]
+    with pytest.raises(ValueError, match=r"does not record the model's input order.*a, b"):
+        kp.tflite_predict(content, x)
+    got = kp.tflite_predict(content, {"a": x[0], "b": x[1]})
+    np.testing.assert_allclose(got, model.predict(x, verbose=0), atol=1e-5)
+
+
+@pytest.mark.backends("tensorflow", "jax")
+def test_int8_calibration_in_model_order_list_dict_and_callable(tmp_path):
+    # Input "a" lives in [0, 1], "b" in [0, 100]: calibrating one on the other's range
+    # would clip it and miss the output by far more than 5 %.
+    model = _two_inputs()
+    rng = np.random.default_rng(3)
+    xa, xb = rng.random((64, 3), dtype="float32"), 100 * rng.random((64, 3), dtype="float32")
+    expected = model.predict([xa, xb], verbose=0)
+
+    def samples():
+        for i in range(64):
+            yield [xa[i : i + 1], xb[i : i + 1]]
+
+    for data in ([xa, xb], {"b": xb, "a": xa}, samples):
+        report = kp.export_tflite(
+            model, tmp_path / "m.tflite", "int8", representative_data=data, int8_io=False
+        )
+        got = kp.tflite_predict(report["path"], [xa, xb])
+        assert np.max(np.abs(got - expected)) < 0.05 * np.ptp(expected), data
+
+
+# ----------------------------------------------------------------------------------------------
+# LSTM: TFLite's builtin ops do not cover it; select TF ops on request
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.backends("tensorflow")
+def test_lstm_needs_select_tf_ops_and_says_so(tmp_path):
+    model = keras.Sequential([keras.Input((5, 3)), keras.layers.LSTM(4), keras.layers.Dense(2)])
+    with pytest.raises(ValueError, match="Pass `allow_select_tf_ops=True`"):
+        kp.export_tflite(model, tmp_path / "lstm.tflite")
+    assert not (tmp_path / "lstm.tflite").exists()
+    report = kp.export_tflite(model, tmp_path / "lstm.tflite", allow_select_tf_ops=True)
+    assert report["bytes"] == os.path.getsize(tmp_path / "lstm.tflite") > 0
+    assert "TensorListReserve" in report["select_tf_ops"]
+    assert report["inputs"][0]["shape"] == [-1, 5, 3]
+    x = np.random.default_rng(0).random((7, 5, 3), dtype="float32")
+    try:
+        got = kp.tflite_predict(report["path"], x)
+    except RuntimeError as e:
+        # TF 2.21's pip interpreter has no Flex delegate: the file is written and described,
+        # and running it here is a clear error instead of TFLite's own.
+        assert "no Flex delegate" in str(e) and "TensorListReserve" in str(e)
+    else:
+        np.testing.assert_allclose(got, model.predict(x, verbose=0), atol=1e-5)

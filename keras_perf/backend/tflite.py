@@ -19,6 +19,7 @@ import warnings
 import numpy as np
 
 QUANTIZATIONS = (None, "dynamic", "float16", "int8")
+_DEPRECATED = ".*tf.lite.Interpreter is deprecated.*"
 
 
 @contextlib.contextmanager
@@ -33,13 +34,25 @@ def quiet_tensorflow_logs():
         logger.setLevel(level)
 
 
-def convert_saved_model(saved_model_dir: str, quantization, representative_dataset, int8_io: bool):
-    """Convert a SavedModel directory to a TFLite flatbuffer (bytes)."""
+def convert_saved_model(
+    saved_model_dir: str,
+    quantization,
+    representative_dataset,
+    int8_io: bool,
+    select_tf_ops: bool = False,
+):
+    """Convert a SavedModel directory to a TFLite flatbuffer (bytes).
+
+    With `select_tf_ops`, ops that TFLite has no builtin kernel for (the TensorList loop of a
+    Keras LSTM/GRU with a free batch size) are kept as TensorFlow ops ("Flex" ops), which
+    only an interpreter linked with the Flex delegate can run.
+    """
     import tensorflow as tf
 
     converter = tf.lite.TFLiteConverter.from_saved_model(saved_model_dir)
     if quantization is not None:
         converter.optimizations = [tf.lite.Optimize.DEFAULT]
+    builtins = tf.lite.OpsSet.TFLITE_BUILTINS
     if quantization == "float16":
         converter.target_spec.supported_types = [tf.float16]
     elif quantization == "int8":
@@ -47,15 +60,35 @@ def convert_saved_model(saved_model_dir: str, quantization, representative_datas
         # model with an op that has no int8 kernel fails here rather than silently keeping it
         # in float.
         converter.representative_dataset = representative_dataset
-        converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
+        builtins = tf.lite.OpsSet.TFLITE_BUILTINS_INT8
+        converter.target_spec.supported_ops = [builtins]
         if int8_io:
             converter.inference_input_type = tf.int8
             converter.inference_output_type = tf.int8
-    return converter.convert()
+    if select_tf_ops:
+        converter.target_spec.supported_ops = [builtins, tf.lite.OpsSet.SELECT_TF_OPS]
+        # TensorList ops (Keras' RNN loop) stay TF ops instead of failing to lower.
+        converter._experimental_lower_tensor_list_ops = False
+    try:
+        with warnings.catch_warnings():
+            # The calibrator builds a tf.lite.Interpreter of its own for name-keyed samples.
+            warnings.filterwarnings("ignore", message=_DEPRECATED)
+            return converter.convert()
+    except Exception as e:  # tf.lite's ConverterError; its class moves between TF versions.
+        text = str(e)
+        if not select_tf_ops and any(
+            hint in text for hint in ("Select TF ops", "TF Select", "SELECT_TF_OPS")
+        ):
+            raise NeedsSelectTfOps(text) from e
+        raise
 
 
-def interpreter(model_content: bytes, num_threads: int | None = None):
-    """A TFLite interpreter over `model_content`, tensors allocated."""
+class NeedsSelectTfOps(Exception):
+    """The converter failed on ops that only TensorFlow kernels (Flex) provide."""
+
+
+def interpreter(model_content: bytes, num_threads: int | None = None, allocate: bool = True):
+    """A TFLite interpreter over `model_content`, tensors allocated unless `allocate=False`."""
     try:
         from ai_edge_litert.interpreter import Interpreter
     except ImportError:
@@ -63,15 +96,29 @@ def interpreter(model_content: bytes, num_threads: int | None = None):
 
         Interpreter = tf.lite.Interpreter
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*tf.lite.Interpreter is deprecated.*")
+        warnings.filterwarnings("ignore", message=_DEPRECATED)
         interp = Interpreter(model_content=model_content, num_threads=num_threads)
-    interp.allocate_tensors()
+    if allocate:
+        try:
+            interp.allocate_tensors()
+        except RuntimeError as e:
+            flex = flex_ops(model_content)
+            if flex and "Select TensorFlow op" in str(e):
+                raise RuntimeError(
+                    f"This TFLite file uses TensorFlow ops ({', '.join(flex)}; exported with "
+                    "`allow_select_tf_ops=True`) and this interpreter has no Flex delegate "
+                    "to run them. Run it where the select-TF-ops runtime is linked (Android: "
+                    "`org.tensorflow:tensorflow-lite-select-tf-ops`), or export a model "
+                    "that TFLite's builtin ops cover."
+                ) from e
+            raise
     return interp
 
 
 def _describe(detail: dict) -> dict:
     scale, zero_point = detail.get("quantization", (0.0, 0))
     return {
+        "index": int(detail["index"]),
         "name": detail["name"],
         "shape": [int(d) for d in detail.get("shape_signature", detail["shape"])],
         "dtype": np.dtype(detail["dtype"]).name,
@@ -81,12 +128,158 @@ def _describe(detail: dict) -> dict:
 
 
 def describe(model_content: bytes) -> tuple[list[dict], list[dict]]:
-    """`(inputs, outputs)`: name, shape (-1 for a free dimension), dtype, (scale, zero point)."""
-    interp = interpreter(model_content)
+    """`(inputs, outputs)`: name, shape (-1 for a free dimension), dtype, (scale, zero point).
+
+    Inputs and outputs come in the file's tensor order; each also carries `key`, its name in
+    the file's signature (the Keras input name, `output_0`... or the output dict key), or
+    `None` for a file without a signature.
+    """
+    interp = interpreter(model_content, allocate=False)
+    in_keys, out_keys = _signature_keys(interp)
+    inputs = [_describe(d) for d in interp.get_input_details()]
+    outputs = [_describe(d) for d in interp.get_output_details()]
+    for entries, details, keys in (
+        (inputs, interp.get_input_details(), in_keys),
+        (outputs, interp.get_output_details(), out_keys),
+    ):
+        for entry, detail in zip(entries, details):
+            entry["key"] = keys.get(detail["index"])
+    return inputs, outputs
+
+
+def saved_model_inputs(saved_model_dir: str) -> list[tuple]:
+    """`(name, shape, dtype)` of each input of a SavedModel's serving signature, by name."""
+    import tensorflow as tf
+
+    signature = tf.saved_model.load(saved_model_dir).signatures["serving_default"]
+    specs = signature.structured_input_signature[1]
+    return [
+        (name, tuple(spec.shape.as_list()), spec.dtype.name) for name, spec in sorted(specs.items())
+    ]
+
+
+def _signature_keys(interp) -> tuple[dict, dict]:
+    """Tensor index -> signature name, for inputs and outputs (empty without one signature)."""
+    signatures = interp.get_signature_list()
+    if len(signatures) != 1:
+        return {}, {}
+    runner = interp.get_signature_runner(next(iter(signatures)))
     return (
-        [_describe(d) for d in interp.get_input_details()],
-        [_describe(d) for d in interp.get_output_details()],
+        {d["index"]: name for name, d in runner.get_input_details().items()},
+        {d["index"]: name for name, d in runner.get_output_details().items()},
     )
+
+
+def _schema():
+    """TFLite's flatbuffer schema module (generated Python), from TensorFlow or LiteRT."""
+    try:
+        from tensorflow.lite.python import schema_py_generated
+    except ImportError:
+        try:
+            from ai_edge_litert import schema_py_generated
+        except ImportError:
+            return None
+    return schema_py_generated
+
+
+def _root(model_content: bytes):
+    schema = _schema()
+    if schema is None:
+        return None, None
+    return schema, schema.Model.GetRootAs(model_content, 0)
+
+
+def add_metadata(model_content: bytes, name: str, data: bytes) -> bytes:
+    """`model_content` with a metadata entry `name` -> `data` (replacing one of that name).
+
+    TFLite's `Model.metadata` is a list of named buffers that interpreters ignore; the
+    converter stores its own "CONVERSION_METADATA" there the same way (object API round trip,
+    `tensorflow/lite/python/util.py:populate_conversion_metadata`, TF 2.21).
+    """
+    import flatbuffers
+    from tensorflow.lite.python import schema_py_generated as schema
+
+    model = schema.ModelT.InitFromObj(schema.Model.GetRootAs(model_content, 0))
+    buffer = schema.BufferT()
+    buffer.data = np.frombuffer(data, dtype=np.uint8)
+    model.metadata = model.metadata or []
+    for entry in model.metadata:
+        if entry.name.decode() == name:
+            model.buffers[entry.buffer] = buffer
+            break
+    else:
+        entry = schema.MetadataT()
+        entry.name = name.encode()
+        entry.buffer = len(model.buffers)
+        model.buffers.append(buffer)
+        model.metadata.append(entry)
+    builder = flatbuffers.Builder(1024)
+    builder.Finish(model.Pack(builder), file_identifier=b"TFL3")
+    return bytes(builder.Output())
+
+
+def read_metadata(model_content: bytes, name: str) -> bytes | None:
+    """The metadata entry `name` of a TFLite file, or `None` (absent, or no schema module)."""
+    schema, root = _root(model_content)
+    if root is None:
+        return None
+    for i in range(root.MetadataLength()):
+        entry = root.Metadata(i)
+        if entry.Name().decode() == name:
+            return root.Buffers(entry.Buffer()).DataAsNumpy().tobytes()
+    return None
+
+
+def flex_ops(model_content: bytes) -> list[str]:
+    """Names of the TensorFlow ("Flex") ops in a TFLite file, sorted."""
+    _, root = _root(model_content)
+    if root is None:
+        return []
+    names = set()
+    for i in range(root.OperatorCodesLength()):
+        code = root.OperatorCodes(i).CustomCode()
+        if code and code.startswith(b"Flex"):
+            names.add(code.decode()[len("Flex") :])
+    return sorted(names)
+
+
+def integer_problems(model_content: bytes, int8_io: bool, select_tf_ops: bool) -> list[str]:
+    """Why a file asked for as full-integer int8 is not one (empty list: it is).
+
+    The converter can quietly return a float model (calibration ranges that are NaN), or
+    write non-finite scales (activations that overflow float32 on the calibration data).
+    """
+    interp = interpreter(model_content, allocate=False)
+    io = {d["index"] for d in interp.get_input_details() + interp.get_output_details()}
+    problems = []
+    floats, int8 = [], 0
+    for t in interp.get_tensor_details():
+        dtype = np.dtype(t["dtype"])
+        scales = np.asarray(t.get("quantization_parameters", {}).get("scales", []))
+        if scales.size and not (np.all(np.isfinite(scales)) and np.all(scales > 0)):
+            problems.append(
+                f"tensor {t['name']!r} has quantization scale(s) {scales[:4].tolist()}: "
+                "the model's activations overflow float32 on the calibration data"
+            )
+        if dtype == np.int8:
+            int8 += 1
+        elif dtype == np.float32 and t["index"] not in io:
+            floats.append(t["name"])
+    if not int8:
+        problems.append("no tensor is int8: the converter fell back to a float model")
+    elif floats and not select_tf_ops:
+        problems.append(f"{len(floats)} inner tensor(s) stayed float32 ({', '.join(floats[:5])})")
+    if int8_io:
+        for kind, details in (
+            ("input", interp.get_input_details()),
+            ("output", interp.get_output_details()),
+        ):
+            for d in details:
+                if np.dtype(d["dtype"]) != np.int8:
+                    problems.append(
+                        f"{kind} {d['name']!r} is {np.dtype(d['dtype']).name}, not int8"
+                    )
+    return problems
 
 
 def _quantize(x: np.ndarray, detail: dict) -> np.ndarray:
@@ -105,24 +298,26 @@ def _dequantize(y: np.ndarray, detail: dict) -> np.ndarray:
     return y
 
 
-def predict(model_content: bytes, inputs: list[np.ndarray], batch_size: int, num_threads):
-    """Run the model over `inputs` (one array per model input) in batches; float outputs."""
+def predict(model_content: bytes, feeds: dict, batch_size: int, num_threads) -> dict:
+    """Run the model in batches: `feeds` maps input tensor index -> array (validated by the
+    caller: shapes match the file's, same number of examples); returns output tensor index ->
+    float array."""
     interp = interpreter(model_content, num_threads=num_threads)
-    in_details = interp.get_input_details()
-    out_details = interp.get_output_details()
-    n = len(inputs[0])
-    results = [[] for _ in out_details]
+    in_details = {d["index"]: d for d in interp.get_input_details()}
+    n = len(next(iter(feeds.values())))
+    results = {d["index"]: [] for d in interp.get_output_details()}
     current = None
     for start in range(0, n, batch_size):
-        chunk = [a[start : start + batch_size] for a in inputs]
-        if len(chunk[0]) != current:
-            current = len(chunk[0])
-            for detail, a in zip(in_details, chunk):
-                interp.resize_tensor_input(detail["index"], list(a.shape), strict=False)
+        chunk = {index: a[start : start + batch_size] for index, a in feeds.items()}
+        size = len(next(iter(chunk.values())))
+        if size != current:
+            current = size
+            for index, a in chunk.items():
+                interp.resize_tensor_input(index, list(a.shape), strict=False)
             interp.allocate_tensors()
-        for detail, a in zip(in_details, chunk):
-            interp.set_tensor(detail["index"], _quantize(a, detail))
+        for index, a in chunk.items():
+            interp.set_tensor(index, _quantize(a, in_details[index]))
         interp.invoke()
-        for i, detail in enumerate(interp.get_output_details()):
-            results[i].append(_dequantize(interp.get_tensor(detail["index"]), detail))
-    return [np.concatenate(r, axis=0) for r in results]
+        for detail in interp.get_output_details():
+            results[detail["index"]].append(_dequantize(interp.get_tensor(detail["index"]), detail))
+    return {index: np.concatenate(r, axis=0) for index, r in results.items()}

@@ -30,6 +30,7 @@ from pathlib import Path
 import keras
 import numpy as np
 
+from keras_perf._imports import require
 from keras_perf._utils import check_bool, check_choice, check_int, iter_layers
 from keras_perf.backend import tflite as _tflite
 
@@ -139,6 +140,7 @@ def export_tflite(
     if quantization == "int8" and not callable(representative_data):
         arrays = _calibration_arrays(model, representative_data, calibration_samples)
 
+    require("tensorflow", "export_tflite")  # the converter is TensorFlow's on every backend
     if keras.backend.backend() == "torch":
         return _export_via_tensorflow_process(
             model, path, quantization, arrays, int8_io, list(custom_modules)

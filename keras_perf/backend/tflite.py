@@ -18,6 +18,8 @@ import warnings
 
 import numpy as np
 
+from keras_perf._imports import require
+
 QUANTIZATIONS = (None, "dynamic", "float16", "int8")
 
 
@@ -59,6 +61,7 @@ def interpreter(model_content: bytes, num_threads: int | None = None):
     try:
         from ai_edge_litert.interpreter import Interpreter
     except ImportError:
+        require("tensorflow", "TFLite inference (or `pip install ai-edge-litert`)")
         import tensorflow as tf
 
         Interpreter = tf.lite.Interpreter

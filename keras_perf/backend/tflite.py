@@ -61,7 +61,7 @@ def interpreter(model_content: bytes, num_threads: int | None = None):
     try:
         from ai_edge_litert.interpreter import Interpreter
     except ImportError:
-        require("tensorflow", "TFLite inference (or `pip install ai-edge-litert`)")
+        require("tensorflow", "TFLite inference (tflite_predict)")
         import tensorflow as tf
 
         Interpreter = tf.lite.Interpreter

@@ -1,12 +1,24 @@
-"""The `keras-perf` command: `doctor`, `demo` and `bench`."""
+"""The `keras-perf` command: `doctor`, `demo` and `bench`.
+
+Arguments are parsed before Keras is imported, so `--help` and argument errors answer at once
+(see keras_perf/_imports.py for how the package defers its own imports in this process). Unless
+`--verbose` is given, the command hides the native (C++) log lines TensorFlow and XLA print on
+import and device start-up ("oneDNN custom operations are on", "failed call to cuInit", ...):
+it sets `TF_CPP_MIN_LOG_LEVEL=3` where the user has not set it, and, because TensorFlow 2.19+
+logs some of these lines through absl before reading that variable
+(tensorflow/tensorflow#100442), it filters its own stderr for lines in the absl/glog format.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.metadata
-import importlib.util
+import os
 import platform
+import re
 import sys
+import threading
 
 BACKENDS = ("tensorflow", "jax", "torch")
 
@@ -29,6 +41,80 @@ def _fmt_bytes(n) -> str:
     if n is None:
         return "-"
     return f"{n / 2**30:.1f} GiB"
+
+
+# A native log line: absl/glog ("E0000 00:00:1795556460.69 11036 cuda_platform.cc:52] ..."),
+# TensorFlow's older format ("2025-09-17 14:44:05.157831: I tensorflow/.../x.cc:32] ..."),
+# absl's notice that logging started before it was initialised, the TFLite runtime's
+# information lines ("INFO: Created TensorFlow Lite XNNPACK delegate for CPU.") and the TFLite
+# quantizer's settings line ("fully_quantize: 0, inference_type: 6, ...").
+NATIVE_LOG_LINE = re.compile(
+    rb"^(?:[IWEF]\d{4} \d\d:\d\d:\d+\.\d+\s+\d+ [\w./+-]+:\d+\] "
+    rb"|\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d+: [IWEF] [\w./+-]+:\d+\] "
+    rb"|WARNING: All log messages before absl::InitializeLog\(\) is called"
+    rb"|INFO: "
+    rb"|fully_quantize: \d+, inference_type: )"
+)
+
+
+def quiet_native_logs(verbose: bool, environ=os.environ) -> dict:
+    """Ask TensorFlow for errors only, unless `verbose` or the user chose a level.
+
+    Must run before TensorFlow is imported. Returns the variables it set.
+    """
+    if verbose or "TF_CPP_MIN_LOG_LEVEL" in environ:
+        return {}
+    environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+    return {"TF_CPP_MIN_LOG_LEVEL": "3"}
+
+
+class NativeLogFilter:
+    """Drop native log lines (`NATIVE_LOG_LINE`) written to file descriptor 2.
+
+    File descriptor 2 becomes a pipe; a thread copies every other line to the real stderr.
+    Python's own `sys.stderr` goes through it too, so warnings and tracebacks still show.
+    Use as a context manager; `stop()` restores file descriptor 2.
+    """
+
+    def __init__(self):
+        self._saved = None
+        self._thread = None
+
+    def start(self) -> NativeLogFilter:
+        sys.stderr.flush()
+        read_fd, write_fd = os.pipe()
+        self._saved = os.dup(2)
+        os.dup2(write_fd, 2)
+        os.close(write_fd)
+        self._thread = threading.Thread(
+            target=self._copy, args=(read_fd, self._saved), daemon=True, name="native-log-filter"
+        )
+        self._thread.start()
+        return self
+
+    @staticmethod
+    def _copy(read_fd: int, out_fd: int) -> None:
+        with os.fdopen(read_fd, "rb", buffering=0) as pipe:
+            for line in pipe:
+                if not NATIVE_LOG_LINE.match(line):
+                    os.write(out_fd, line)
+
+    def stop(self) -> None:
+        if self._saved is None:
+            return
+        sys.stderr.flush()
+        os.dup2(self._saved, 2)  # closes our end of the pipe; the thread reads to its end
+        # A child process still holding the pipe would keep it open: do not wait forever.
+        self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            os.close(self._saved)
+        self._saved = None
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
 
 
 def doctor(args: argparse.Namespace) -> int:
@@ -63,7 +149,9 @@ def doctor(args: argparse.Namespace) -> int:
     for d in kp.device_report():
         cc = d["compute_capability"]
         cc = f"cc {cc[0]}.{cc[1]}" if cc else ""
-        dev_rows.append((d["kind"], f"{d['name']}  memory {_fmt_bytes(d['memory_bytes'])}  {cc}".rstrip()))
+        dev_rows.append(
+            (d["kind"], f"{d['name']}  memory {_fmt_bytes(d['memory_bytes'])}  {cc}".rstrip())
+        )
     print(_table(dev_rows, "devices"))
     return 0
 
@@ -91,7 +179,7 @@ def _with_backend(args: argparse.Namespace, argv: list[str]) -> int | None:
     if args.backend is None or args.backend == current:
         return None
     env = dict(os.environ, KERAS_BACKEND=args.backend)
-    return subprocess.call([sys.executable, "-m", "keras_perf.cli", *argv], env=env)
+    return subprocess.call([sys.executable, "-m", "keras_perf", *argv], env=env)
 
 
 def demo(args: argparse.Namespace) -> int:
@@ -99,47 +187,79 @@ def demo(args: argparse.Namespace) -> int:
     switched = _with_backend(args, args.argv)
     if switched is not None:
         return switched
-    from keras_perf import demo as demo_module
-
+    demo_module = importlib.import_module("keras_perf.demo")
     demo_module.run(out=args.out, epochs=args.epochs)
     return 0
 
 
 def bench(args: argparse.Namespace) -> int:
     """Run benchmarks/bench_*.py and print one table (see keras_perf/bench.py)."""
-    from keras_perf import bench as bench_module
-
+    bench_module = importlib.import_module("keras_perf.bench")  # needs no Keras to start
     return bench_module.main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    # `--verbose` is accepted before or after the subcommand; SUPPRESS keeps a subparser's
+    # default from overwriting a `--verbose` given before it.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="show TensorFlow's and XLA's native log lines (hidden by default)",
+    )
     parser = argparse.ArgumentParser(
         prog="keras-perf",
         description="Faster, smaller, harder-to-break Keras 3 training.",
+        parents=[common],
     )
     sub = parser.add_subparsers(dest="command", metavar="{doctor,demo,bench}")
-    p = sub.add_parser("doctor", help="environment, backend, devices, mixed-precision support")
+    p = sub.add_parser(
+        "doctor", parents=[common], help="environment, backend, devices, mixed-precision support"
+    )
     p.set_defaults(func=doctor)
-    p = sub.add_parser("demo", help="the whole pipeline on bundled real data, report and plots")
+    p = sub.add_parser(
+        "demo", parents=[common], help="the whole pipeline on bundled real data, report and plots"
+    )
     p.add_argument("--out", default="keras-perf-demo", help="output folder (default: %(default)s)")
-    p.add_argument("--epochs", type=_positive_int, default=30,
-                   help="epochs per training stage (default: %(default)s)")
-    p.add_argument("--backend", choices=BACKENDS, default=None,
-                   help="Keras backend (default: KERAS_BACKEND, else tensorflow)")
+    p.add_argument(
+        "--epochs",
+        type=_positive_int,
+        default=30,
+        help="epochs per training stage (default: %(default)s)",
+    )
+    p.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default=None,
+        help="Keras backend (default: KERAS_BACKEND, else tensorflow)",
+    )
     p.set_defaults(func=demo)
-    p = sub.add_parser("bench", help="overhead and speed of every piece against plain Keras")
+    p = sub.add_parser(
+        "bench", parents=[common], help="overhead and speed of every piece against plain Keras"
+    )
     p.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run, < 2 min)")
-    p.add_argument("--backends", default=None,
-                   help="comma-separated backends to run each script under (default: current)")
+    p.add_argument(
+        "--backends",
+        default=None,
+        help="comma-separated backends to run each script under (default: current)",
+    )
     p.add_argument("--only", default=None, help="comma-separated substrings of script names")
     p.add_argument("--dir", default=None, help="benchmarks folder (default: ./benchmarks)")
-    p.add_argument("--markdown", default=None, metavar="PATH",
-                   help="also write the table as Markdown to PATH")
+    p.add_argument(
+        "--markdown", default=None, metavar="PATH", help="also write the table as Markdown to PATH"
+    )
     p.set_defaults(func=bench)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the `keras-perf` command; returns its exit code.
+
+    Args:
+        argv: The arguments, without the program name. Defaults to `sys.argv[1:]`.
+    """
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
@@ -147,7 +267,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    verbose = getattr(args, "verbose", False)
+    quiet_native_logs(verbose)
+    # Filter only where the native libraries are still to be loaded (not, say, under pytest).
+    if verbose or any(m in sys.modules for m in ("tensorflow", "jax", "torch")):
+        return int(args.func(args) or 0)
+    with NativeLogFilter():
+        return int(args.func(args) or 0)
 
 
 if __name__ == "__main__":

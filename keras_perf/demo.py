@@ -1,22 +1,25 @@
 """`keras-perf demo`: the whole keras-perf story on scikit-learn's bundled digits data.
 
-Stages, each with a progress bar:
+Stages, one function each, each with a progress bar (one line per epoch, that epoch's values):
 
-1. teacher: a 64-256-256-10 MLP under the device's mixed-precision policy, with the
+1. `train_teacher`: a 64-256-256-10 MLP under the device's mixed-precision policy, with the
    loss-scaling train step, `TrainingMonitor` and `EarlyStopping` (best weights restored);
-2. student alone: a 64-32-10 MLP trained on the labels (the baseline);
-3. distilled student: the same student architecture trained by `DistillationModel`;
-4. pruned student: the distilled student fine-tuned with `PruningCallback` to 80 % sparsity,
+2. `train_student_alone`: a 64-32-10 MLP trained on the labels (the baseline);
+3. `train_distilled`: the same student architecture trained by `DistillationModel`;
+4. `prune_student`: the distilled student fine-tuned with `PruningCallback` to 80 % sparsity,
    then `strip_pruning`;
-5. export: TFLite with dynamic-range and full-int8 quantization, accuracy checked in the
-   TFLite interpreter.
+5. `export_student`: TFLite with dynamic-range and full-int8 quantization, accuracy checked in
+   the TFLite interpreter (needs TensorFlow, the `tensorflow` extra; skipped without it);
+6. `write_report`: `summary.png` and `report.json`.
 
 Writes `report.json`, one `*.jsonl` monitor log and PNG plot per training stage and
-`summary.png` to `--out`, and prints a final table.
+`summary.png` to `--out`, and prints a final table. Needs the `demo` extra (scikit-learn for the
+data, matplotlib for the plots): `pip install 'keras-perf[demo]'`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -24,6 +27,8 @@ from pathlib import Path
 
 import keras
 import numpy as np
+
+from keras_perf._imports import require
 
 SEED = 0
 CLASSES = 10
@@ -51,7 +56,13 @@ def _mlp(widths, name, seed):
 
 
 class _StageBar(keras.callbacks.Callback):
-    """One progress bar per stage, advanced per epoch, with the loss and validation accuracy."""
+    """One progress bar per stage, advanced per epoch, showing that epoch's logs.
+
+    The values are the epoch's own (as Keras' `verbose=1` line shows them), not averages over
+    the epochs so far.
+    """
+
+    KEYS = ("loss", "accuracy", "val_loss", "val_accuracy", "sparsity")
 
     def __init__(self, title: str, epochs: int):
         super().__init__()
@@ -59,16 +70,22 @@ class _StageBar(keras.callbacks.Callback):
 
     def on_train_begin(self, logs=None):
         print(f"\n{self.title}", flush=True)
-        self.bar = keras.utils.Progbar(self.epochs, unit_name="epoch")
+        # stateless_metrics=set(): every value is shown as given (Keras' ProgbarLogger does
+        # the same); interval=0: one update per epoch is never too often.
+        self.bar = keras.utils.Progbar(
+            self.epochs, unit_name="epoch", stateless_metrics=set(), interval=0
+        )
+        self.seen = 0
 
     def on_epoch_end(self, epoch, logs=None):
         logs = logs or {}
-        shown = [(k, float(logs[k])) for k in ("loss", "val_accuracy") if k in logs]
-        self.bar.update(epoch + 1, values=shown, finalize=epoch + 1 >= self.epochs)
+        self.seen = epoch + 1
+        shown = [(k, float(logs[k])) for k in self.KEYS if k in logs]
+        self.bar.update(self.seen, values=shown, finalize=self.seen >= self.epochs)
 
     def on_train_end(self, logs=None):
-        if self.bar._seen_so_far < self.epochs:  # stopped early: close the line
-            print(f" (stopped after {self.bar._seen_so_far} epochs)", flush=True)
+        if self.seen < self.epochs:  # stopped early: close the line
+            print(f"\n(stopped after {self.seen} of {self.epochs} epochs)", flush=True)
 
 
 def _accuracy(model, x, y) -> float:
@@ -115,30 +132,229 @@ def _table(rows: list[dict]) -> str:
     for r in rows:
         cells.append(["-" if r.get(k) is None else fmt.format(r[k]) for k, _, fmt in cols])
     widths = [max(len(c[i]) for c in cells) for i in range(len(cols))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in cells]
+    lines = [
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+        for row in cells
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
 
-def _summary_plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
+def _summary_plot(rows: list[dict], path: Path):
+    """Accuracy (axis from 0) and size (log axis) of every model, one row per model.
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    Writes the PNG to `path`; returns the matplotlib `Figure`.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+    from matplotlib.ticker import FuncFormatter
 
     names = [r["model"] for r in rows]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    axes[0].bar(names, [r["accuracy"] for r in rows], color="tab:blue")
-    axes[0].set_ylim(0.8, 1.0)
-    axes[0].set_title("test accuracy (digits)")
-    size = [r["tflite_bytes"] or r["gzip_bytes"] for r in rows]
-    axes[1].bar(names, [s / 1024 for s in size], color="tab:green")
-    axes[1].set_title("size, KiB (TFLite file where exported, else gzip of weights)")
-    for ax in axes:
-        ax.tick_params(axis="x", rotation=30)
-    fig.tight_layout()
+    pos = np.arange(len(rows))
+    fig = Figure(figsize=(11, 1.6 + 0.45 * len(rows)), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax_acc, ax_size = fig.subplots(1, 2, sharey=True)
+
+    accuracy = [r["accuracy"] for r in rows]
+    bars = ax_acc.barh(pos, accuracy, color="tab:blue")
+    ax_acc.bar_label(bars, fmt="%.3f", padding=3)
+    ax_acc.set_xlim(0, 1.15)  # room for the labels; the ticks stop at 1
+    ax_acc.set_xticks(np.linspace(0, 1, 6))
+    ax_acc.set_yticks(pos, names)
+    ax_acc.invert_yaxis()  # the pipeline's order, top to bottom
+    ax_acc.set_xlabel("test accuracy (TFLite rows: in the TFLite interpreter)")
+    ax_acc.set_title("accuracy on the held-out digits")
+
+    # One size per model: the TFLite file where exported, else the gzip of the weights; the
+    # colour says which, so the two kinds are never read as one series.
+    colors = {"weights, gzip": "tab:gray", "TFLite file": "tab:orange"}
+    kinds = ["TFLite file" if r["tflite_bytes"] else "weights, gzip" for r in rows]
+    kib = [(r["tflite_bytes"] or r["gzip_bytes"]) / 1024 for r in rows]
+    bars = ax_size.barh(pos, kib, color=[colors[k] for k in kinds])
+    ax_size.bar_label(bars, labels=[f"{v:,.1f} KiB" for v in kib], padding=3)
+    ax_size.set_xscale("log")
+    ax_size.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax_size.set_xlim(min(kib) / 2, max(kib) * 8)  # log axis: room for the labels
+    ax_size.set_xlabel("size, KiB (log scale)")
+    ax_size.set_title("size on disk")
+    ax_size.tick_params(axis="y", left=False)
+    handles = [Patch(color=c, label=k) for k, c in colors.items() if k in kinds]
+    fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), frameon=False)
     fig.savefig(path, dpi=100)
-    plt.close(fig)
+    return fig
+
+
+@dataclasses.dataclass
+class _Demo:
+    """What the stages share: settings, data, and the report as it grows."""
+
+    out: Path
+    epochs: int
+    verbose: bool
+    train: tuple
+    val: tuple
+    test: tuple
+    rows: list = dataclasses.field(default_factory=list)
+    stages: dict = dataclasses.field(default_factory=dict)
+    files: list = dataclasses.field(default_factory=list)
+    exports: dict = dataclasses.field(default_factory=dict)
+
+    def fit(self, name: str, model, fit_model=None, epochs=None, callbacks=()):
+        """`fit_model.fit` on the digits with a monitor and a progress bar; the monitor.
+
+        Writes `<name>.jsonl` and `<name>.png` and keeps the monitor's summary.
+        """
+        import keras_perf as kp
+
+        epochs = epochs or self.epochs
+        mon = kp.TrainingMonitor(log_path=str(self.out / f"{name}.jsonl"))
+        bar = _StageBar(f"[{name}]", epochs) if self.verbose else keras.callbacks.Callback()
+        (x, y), val = self.train, self.val
+        (fit_model or model).fit(
+            x,
+            y,
+            batch_size=BATCH,
+            epochs=epochs,
+            validation_data=val,
+            verbose=0,
+            callbacks=[mon, *callbacks, bar],
+        )
+        mon.plot(str(self.out / f"{name}.png"))
+        self.files.extend([f"{name}.jsonl", f"{name}.png"])
+        self.stages[name] = mon.summary()
+        return mon
+
+    def add_row(self, name, model, monitor, t0, accuracy=None, tflite_bytes=None) -> None:
+        if accuracy is None:
+            accuracy = _accuracy(model, *self.test)
+        self.rows.append(
+            _row(name, model, accuracy, monitor, time.perf_counter() - t0, tflite_bytes)
+        )
+
+
+BATCH = 64
+
+
+def _sce():
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def train_teacher(demo: _Demo):
+    """Stage 1: the wide teacher, loss-scaled step, mixed precision where the device has it,
+    early stopping with the best weights restored."""
+    import keras_perf as kp
+
+    t0 = time.perf_counter()
+    teacher = kp.loss_scaled(_mlp([256, 256], "teacher", SEED))
+    teacher.compile(keras.optimizers.Adam(2e-3), _sce(), metrics=["accuracy"])
+    stop = kp.EarlyStopping(monitor="val_loss", patience=5, restore_best_weights=True)
+    mon = demo.fit("teacher", teacher, callbacks=[stop])
+    demo.stages["teacher"]["stop_reason"] = stop.stop_reason
+    demo.add_row("teacher", teacher, mon, t0)
+    return teacher
+
+
+def train_student_alone(demo: _Demo):
+    """Stage 2: the small student trained on the labels alone (the baseline)."""
+    t0 = time.perf_counter()
+    alone = _mlp([32], "student_alone", SEED + 1)
+    alone.compile(keras.optimizers.Adam(2e-3), _sce(), metrics=["accuracy"])
+    mon = demo.fit("student_alone", alone)
+    demo.add_row("student alone", alone, mon, t0)
+    return alone
+
+
+def train_distilled(demo: _Demo, teacher):
+    """Stage 3: the same student (architecture and initial weights) distilled from the
+    teacher; returns `(student, distiller)`."""
+    import keras_perf as kp
+
+    t0 = time.perf_counter()
+    student = _mlp([32], "student", SEED + 1)
+    distiller = kp.DistillationModel(student, teacher, temperature=3.0, alpha=0.7)
+    distiller.compile(optimizer=keras.optimizers.Adam(2e-3), metrics=["accuracy"])
+    mon = demo.fit("distilled", student, fit_model=distiller)
+    demo.add_row("distilled", student, mon, t0)
+    return student, distiller
+
+
+def prune_student(demo: _Demo, student, distiller):
+    """Stage 4: prune the distilled student to 80 % while distillation goes on, then strip
+    the pruning state; returns the pruned model."""
+    import keras_perf as kp
+
+    t0 = time.perf_counter()
+    tune = max(2, demo.epochs // 2)
+    steps = tune * int(np.ceil(len(demo.train[0]) / BATCH))
+    start = int(keras.ops.convert_to_numpy(distiller.optimizer.iterations))  # steps count on
+    schedule = kp.PolynomialDecay(
+        initial_sparsity=0.0,
+        final_sparsity=0.8,
+        begin_step=start,
+        end_step=start + max(1, int(steps * 0.6)),
+        frequency=max(1, steps // 20),
+    )
+    mon = demo.fit(
+        "pruned",
+        student,
+        fit_model=distiller,
+        epochs=tune,
+        callbacks=[kp.PruningCallback(schedule)],
+    )
+    pruned = kp.strip_pruning(student)
+    demo.add_row("pruned 80%", pruned, mon, t0)
+    return pruned
+
+
+def export_student(demo: _Demo, pruned) -> None:
+    """Stage 5: TFLite files with dynamic-range and full-int8 quantization, their accuracy
+    measured in the TFLite interpreter. Skipped (with a note) without TensorFlow."""
+    import keras_perf as kp
+
+    try:
+        require("tensorflow", "the demo's TFLite stage")
+    except ImportError as e:
+        demo.exports["skipped"] = str(e)
+        if demo.verbose:
+            print(f"\n[export] skipped: {e}", flush=True)
+        return
+    if demo.verbose:
+        print("\n[export] TFLite dynamic and int8 ...", flush=True)
+    x, test = demo.train[0], demo.test
+    for mode in ("dynamic", "int8"):
+        t0 = time.perf_counter()
+        path = demo.out / f"student_{mode}.tflite"
+        rep = kp.export_tflite(
+            pruned, path, quantization=mode, representative_data=x[:200] if mode == "int8" else None
+        )
+        preds = kp.tflite_predict(path, test[0])
+        acc = float(np.mean(np.argmax(preds, axis=-1) == test[1]))
+        demo.exports[mode] = {k: v for k, v in rep.items() if _jsonable(v)}
+        demo.add_row(
+            f"TFLite {mode}", pruned, None, t0, accuracy=acc, tflite_bytes=int(rep["bytes"])
+        )
+        demo.files.append(path.name)
+
+
+def write_report(demo: _Demo, policy: str, t_start: float) -> dict:
+    """The summary plot and `report.json`; returns the report."""
+    _summary_plot(demo.rows, demo.out / "summary.png")
+    demo.files.append("summary.png")
+    report = {
+        "backend": keras.backend.backend(),
+        "policy": policy,
+        "epochs": demo.epochs,
+        "teacher_epochs_run": demo.stages["teacher"].get("epochs"),
+        "rows": demo.rows,
+        "exports": demo.exports,
+        "stages": demo.stages,
+        "files": demo.files + ["report.json"],
+        "total_time_s": round(time.perf_counter() - t_start, 1),
+    }
+    with open(demo.out / "report.json", "w") as f:
+        json.dump(report, f, indent=1, default=_json_default)
+    return report
 
 
 def run(out: str | os.PathLike = "keras-perf-demo", epochs: int = 30, verbose: bool = True) -> dict:
@@ -156,113 +372,36 @@ def run(out: str | os.PathLike = "keras-perf-demo", epochs: int = 30, verbose: b
 
     Raises:
         ValueError: `epochs` < 1.
+        ImportError: scikit-learn or matplotlib is missing (the `demo` extra).
     """
     import keras_perf as kp
     from keras_perf._utils import check_int
 
     epochs = check_int("epochs", epochs, minimum=1)
+    require("sklearn", "keras-perf demo", extra="demo")  # before any training
+    require("matplotlib", "keras-perf demo", extra="demo")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
-    (x, y), (xv, yv), (xt, yt) = load_digits_split()
+    train, val, test = load_digits_split()
+    demo = _Demo(out, epochs, verbose, train, val, test)
     policy = kp.setup_mixed_precision("auto")
     if verbose:
-        print(f"keras-perf demo: backend {keras.backend.backend()}, policy {policy}, "
-              f"digits train {len(x)} / val {len(xv)} / test {len(xt)}, out {out}")
-    sce = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    rows, stages, files = [], {}, []
-
-    def stage_callbacks(name, n_epochs, extra=()):
-        mon = kp.TrainingMonitor(log_path=str(out / f"{name}.jsonl"))
-        bar = _StageBar(f"[{name}]", n_epochs) if verbose else keras.callbacks.Callback()
-        return mon, [mon, *extra, bar]
-
-    def finish_stage(name, mon):
-        png = out / f"{name}.png"
-        mon.plot(str(png))
-        files.extend([f"{name}.jsonl", f"{name}.png"])
-        stages[name] = mon.summary()
-
-    # 1. Teacher, mixed precision where the device has it, loss-scaled step, early stopping.
-    t0 = time.perf_counter()
-    teacher = kp.loss_scaled(_mlp([256, 256], "teacher", SEED))
-    teacher.compile(keras.optimizers.Adam(2e-3), sce, metrics=["accuracy"])
-    stop = kp.EarlyStopping(monitor="val_loss", patience=5, restore_best_weights=True)
-    mon, cbs = stage_callbacks("teacher", epochs, [stop])
-    teacher.fit(x, y, batch_size=64, epochs=epochs, validation_data=(xv, yv), verbose=0, callbacks=cbs)
-    finish_stage("teacher", mon)
-    rows.append(_row("teacher", teacher, _accuracy(teacher, xt, yt), mon, time.perf_counter() - t0))
-    stages["teacher"]["stop_reason"] = stop.stop_reason
-
-    # 2. The student on labels alone (baseline).
-    t0 = time.perf_counter()
-    alone = _mlp([32], "student_alone", SEED + 1)
-    alone.compile(keras.optimizers.Adam(2e-3), sce, metrics=["accuracy"])
-    mon, cbs = stage_callbacks("student_alone", epochs)
-    alone.fit(x, y, batch_size=64, epochs=epochs, validation_data=(xv, yv), verbose=0, callbacks=cbs)
-    finish_stage("student_alone", mon)
-    rows.append(_row("student alone", alone, _accuracy(alone, xt, yt), mon, time.perf_counter() - t0))
-
-    # 3. Distilled student (same architecture and initial weights as the baseline).
-    t0 = time.perf_counter()
-    student = _mlp([32], "student", SEED + 1)
-    distiller = kp.DistillationModel(student, teacher, temperature=3.0, alpha=0.7)
-    distiller.compile(optimizer=keras.optimizers.Adam(2e-3), metrics=["accuracy"])
-    mon, cbs = stage_callbacks("distilled", epochs)
-    distiller.fit(x, y, batch_size=64, epochs=epochs, validation_data=(xv, yv), verbose=0, callbacks=cbs)
-    finish_stage("distilled", mon)
-    rows.append(_row("distilled", student, _accuracy(student, xt, yt), mon, time.perf_counter() - t0))
-
-    # 4. Prune the distilled student to 80 % while distillation continues, then strip.
-    t0 = time.perf_counter()
-    tune = max(2, epochs // 2)
-    steps = tune * int(np.ceil(len(x) / 64))
-    start = int(keras.ops.convert_to_numpy(distiller.optimizer.iterations))  # steps count on
-    schedule = kp.PolynomialDecay(
-        initial_sparsity=0.0, final_sparsity=0.8, begin_step=start,
-        end_step=start + max(1, int(steps * 0.6)), frequency=max(1, steps // 20),
-    )
-    pruning = kp.PruningCallback(schedule)
-    mon, cbs = stage_callbacks("pruned", tune, [pruning])
-    distiller.fit(x, y, batch_size=64, epochs=tune, validation_data=(xv, yv), verbose=0, callbacks=cbs)
-    finish_stage("pruned", mon)
-    pruned = kp.strip_pruning(student)
-    rows.append(_row("pruned 80%", pruned, _accuracy(pruned, xt, yt), mon, time.perf_counter() - t0))
-
-    # 5. Export the pruned student: dynamic-range and full-int8 TFLite, accuracy in TFLite.
-    exports = {}
-    if verbose:
-        print("\n[export] TFLite dynamic and int8 ...", flush=True)
-    for mode in ("dynamic", "int8"):
-        t0 = time.perf_counter()
-        path = out / f"student_{mode}.tflite"
-        rep = kp.export_tflite(
-            pruned, path, quantization=mode, representative_data=x[:200] if mode == "int8" else None
+        print(
+            f"keras-perf demo: backend {keras.backend.backend()}, policy {policy}, "
+            f"digits train {len(train[0])} / val {len(val[0])} / test {len(test[0])}, "
+            f"out {out}"
         )
-        preds = kp.tflite_predict(path, xt)
-        acc = float(np.mean(np.argmax(preds, axis=-1) == yt))
-        exports[mode] = {k: v for k, v in rep.items() if _jsonable(v)}
-        row = _row(f"TFLite {mode}", pruned, acc, None, time.perf_counter() - t0, int(rep["bytes"]))
-        rows.append(row)
-        files.append(path.name)
 
-    _summary_plot(rows, out / "summary.png")
-    files.append("summary.png")
-    report = {
-        "backend": keras.backend.backend(),
-        "policy": policy,
-        "epochs": epochs,
-        "teacher_epochs_run": stages["teacher"].get("epochs"),
-        "rows": rows,
-        "exports": exports,
-        "stages": stages,
-        "files": files + ["report.json"],
-        "total_time_s": round(time.perf_counter() - t_start, 1),
-    }
-    with open(out / "report.json", "w") as f:
-        json.dump(report, f, indent=1, default=_json_default)
+    teacher = train_teacher(demo)
+    train_student_alone(demo)
+    student, distiller = train_distilled(demo, teacher)
+    pruned = prune_student(demo, student, distiller)
+    export_student(demo, pruned)
+    report = write_report(demo, policy, t_start)
+
     if verbose:
-        print("\n" + _table(rows))
+        print("\n" + _table(demo.rows))
         print(f"\ntotal {report['total_time_s']} s; report, logs and plots in {out}/")
     return report
 

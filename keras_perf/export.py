@@ -30,6 +30,7 @@ from pathlib import Path
 import keras
 import numpy as np
 
+from keras_perf._imports import require
 from keras_perf._utils import check_bool, check_choice, check_int, iter_layers
 from keras_perf.backend import tflite as _tflite
 
@@ -172,6 +173,7 @@ def export_tflite(
         if specs is not None:
             _check_calibration(model, calibration, specs)
 
+    require("tensorflow", "export_tflite")  # the converter is TensorFlow's on every backend
     if keras.backend.backend() == "torch":
         return _export_via_tensorflow_process(
             model,

@@ -42,6 +42,7 @@ import keras
 import numpy as np
 
 from keras_perf import backend as _backend
+from keras_perf._imports import require
 from keras_perf._tensorboard import ScalarWriter
 from keras_perf._utils import check_bool, check_choice, check_int, check_number, warn
 from keras_perf.flops import estimate_flops_per_example, peak_flops_for_device
@@ -567,6 +568,7 @@ class TrainingMonitor(keras.callbacks.Callback):
                 "TrainingMonitor.plot(): no epoch recorded yet; pass the monitor to "
                 "`model.fit(..., callbacks=[mon])` first."
             )
+        require("matplotlib", "TrainingMonitor.plot")
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
         from matplotlib.ticker import MaxNLocator

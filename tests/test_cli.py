@@ -1,25 +1,183 @@
+import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from keras_perf import cli
 
+ROOT = Path(__file__).resolve().parent.parent
+HEAVY = ("keras", "tensorflow", "jax", "torch", "tf_keras", "matplotlib", "sklearn")
+
+
+def _env(**extra):
+    """The environment for a child `keras-perf`: this checkout first on the path."""
+    env = dict(os.environ, **extra)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _imported(cmd: list[str], **env) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """Run `python -X importtime <cmd>`; the process and the top-level modules it imported."""
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", *cmd],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(**env),
+        cwd=ROOT,
+    )
+    modules = {
+        ln.rsplit("|", 1)[-1].strip().split(".")[0]
+        for ln in proc.stderr.splitlines()
+        if ln.startswith("import time:")
+    }
+    return proc, modules
+
 
 def test_doctor_prints_table(capsys):
     assert cli.main(["doctor"]) == 0
     out = capsys.readouterr().out
-    for key in ("python", "keras", "backend", "tensorflow", "policy 'auto' would pick", "devices", "CPU"):
+    for key in (
+        "python",
+        "keras",
+        "backend",
+        "tensorflow",
+        "policy 'auto' would pick",
+        "devices",
+        "CPU",
+    ):
         assert key in out
 
 
 def test_help_lists_subcommands():
     proc = subprocess.run(
-        [sys.executable, "-m", "keras_perf.cli", "--help"], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "keras_perf.cli", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0
     for name in ("doctor", "demo", "bench"):
         assert name in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "args, code",
+    [
+        (["--help"], 0),
+        (["demo", "--help"], 0),
+        (["bench", "--help"], 0),
+        (["demo", "--epochs", "0"], 2),
+        (["frobnicate"], 2),
+    ],
+)
+def test_help_and_argument_errors_import_no_backend(args, code):
+    # `python -m keras_perf --help` answers before Keras is imported (was: Keras, and with it
+    # TensorFlow, imported by `import keras_perf`, ~9 s on 2 busy cores).
+    proc, modules = _imported(["-m", "keras_perf", *args])
+    assert proc.returncode == code, proc.stderr[-2000:]
+    assert "keras_perf" in modules and "argparse" in modules
+    assert not modules & set(HEAVY), sorted(modules & set(HEAVY))
+    assert "usage: keras-perf" in proc.stdout + proc.stderr
+
+
+def test_console_script_help_imports_no_backend(tmp_path):
+    # The launcher pip writes for `[project.scripts] keras-perf = "keras_perf.cli:main"`.
+    script = tmp_path / "keras-perf"
+    script.write_text(
+        "import re, sys\nfrom keras_perf.cli import main\n"
+        "if __name__ == '__main__':\n"
+        "    sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])\n"
+        "    sys.exit(main())\n"
+    )
+    proc, modules = _imported([str(script), "demo", "--help"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "--epochs" in proc.stdout
+    assert not modules & set(HEAVY), sorted(modules & set(HEAVY))
+
+
+def test_library_import_stays_eager():
+    # Only the command defers: `import keras_perf` registers the serializable classes at once,
+    # so `keras.saving.load_model` finds them after a bare import.
+    code = (
+        "import keras_perf, keras; "
+        "print(keras.saving.get_registered_object('keras_perf>LossScaledModel'))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=_env(TF_CPP_MIN_LOG_LEVEL="3"),
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "LossScaledModel" in proc.stdout
+
+
+def test_python_m_keras_perf_doctor_hides_native_logs():
+    # TensorFlow 2.21 logs "I0000 ... oneDNN custom operations are on", "cudart_stub.cc ...
+    # Could not find cuda drivers" and "E0000 ... failed call to cuInit" through absl on import
+    # and device start-up, TF_CPP_MIN_LOG_LEVEL or not (tensorflow/tensorflow#100442).
+    env = _env(KERAS_BACKEND=os.environ.get("KERAS_BACKEND", "tensorflow"))
+    env.pop("TF_CPP_MIN_LOG_LEVEL", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "keras_perf", "doctor"],
+        capture_output=True,
+        timeout=300,
+        env=env,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert b"keras-perf doctor" in proc.stdout and b"devices" in proc.stdout
+    native = re.compile(rb"^[IWEF]\d{4} |^\d{4}-\d\d-\d\d [\d:.]+: [IWEF] |absl::")
+    for line in (proc.stdout + proc.stderr).splitlines():
+        assert not native.search(line), line
+
+
+def test_native_log_filter_drops_only_native_lines(capfd):
+    lines = [
+        b"WARNING: All log messages before absl::InitializeLog() is called are written to STDERR\n",
+        b"I0000 00:00:1795556549.267741   13659 port.cc:153] oneDNN custom operations are on.\n",
+        b"E0000 00:00:1795556575.286610   14053 cuda_platform.cc:52] failed call to cuInit\n",
+        b"2025-09-17 14:44:05.157831: I external/local_xla/xla/tsl/cuda/cudart_stub.cc:32] x\n",
+        b"INFO: Created TensorFlow Lite XNNPACK delegate for CPU.\n",
+        b"fully_quantize: 0, inference_type: 6, input_inference_type: INT8\n",
+    ]
+    kept = [
+        b"UserWarning: something the user should see\n",
+        b"Traceback (most recent call last):\n",
+        b"E0000 is not a log line without its header\n",
+    ]
+    with cli.NativeLogFilter():
+        for line in lines + kept:
+            os.write(2, line)
+    assert capfd.readouterr().err == b"".join(kept).decode()
+
+
+@pytest.mark.parametrize(
+    "verbose, user, expected",
+    [
+        (False, None, "3"),  # quiet by default
+        (False, "0", "0"),  # the user's own setting is kept
+        (True, None, None),  # --verbose: TensorFlow's default, everything shows
+    ],
+)
+def test_quiet_native_logs_keeps_user_setting(verbose, user, expected):
+    environ = {} if user is None else {"TF_CPP_MIN_LOG_LEVEL": user}
+    cli.quiet_native_logs(verbose, environ)
+    assert environ.get("TF_CPP_MIN_LOG_LEVEL") == expected
+
+
+@pytest.mark.parametrize(
+    "argv", [["--verbose", "doctor"], ["doctor", "--verbose"], ["doctor", "-v"]]
+)
+def test_verbose_before_or_after_the_subcommand(argv):
+    assert cli.build_parser().parse_args(argv).verbose is True
+    assert not hasattr(cli.build_parser().parse_args(["doctor"]), "verbose")
 
 
 def test_unknown_subcommand_fails():
@@ -30,8 +188,16 @@ def test_unknown_subcommand_fails():
 
 # --- demo -------------------------------------------------------------------------------
 
-REPORT_ROW_KEYS = {"model", "accuracy", "params", "nonzero", "gzip_bytes", "tflite_bytes",
-                   "examples_per_s", "time_s"}
+REPORT_ROW_KEYS = {
+    "model",
+    "accuracy",
+    "params",
+    "nonzero",
+    "gzip_bytes",
+    "tflite_bytes",
+    "examples_per_s",
+    "time_s",
+}
 
 
 @pytest.mark.slow
@@ -45,13 +211,20 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
     report = json.loads((out / "report.json").read_text())
     assert report["epochs"] == 1
     names = [r["model"] for r in report["rows"]]
-    assert names == ["teacher", "student alone", "distilled", "pruned 80%", "TFLite dynamic", "TFLite int8"]
+    assert names == [
+        "teacher",
+        "student alone",
+        "distilled",
+        "pruned 80%",
+        "TFLite dynamic",
+        "TFLite int8",
+    ]
     for r in report["rows"]:
         assert set(r) == REPORT_ROW_KEYS
-        assert 0.15 <= r["accuracy"] <= 1.0, r     # one epoch (17 steps): above chance (0.1)
+        assert 0.15 <= r["accuracy"] <= 1.0, r  # one epoch (17 steps): above chance (0.1)
         assert r["params"] > 0 and 0 < r["nonzero"] <= r["params"]
     rows = {r["model"]: r for r in report["rows"]}
-    assert rows["teacher"]["accuracy"] >= 0.6      # the wide teacher learns fast
+    assert rows["teacher"]["accuracy"] >= 0.6  # the wide teacher learns fast
     assert rows["teacher"]["params"] > 10 * rows["distilled"]["params"]
     # 80 % of the kernels are zero after pruning; biases are not pruned.
     assert rows["pruned 80%"]["nonzero"] < 0.3 * rows["pruned 80%"]["params"]
@@ -63,10 +236,76 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
     assert "TFLite int8" in printed and "gzip B" in printed
 
 
+def test_demo_progress_bar_shows_each_epochs_own_values(capsys):
+    from keras_perf.demo import _StageBar
+
+    bar = _StageBar("[stage]", epochs=3)
+    bar.on_train_begin()
+    epochs = [
+        {"loss": 3.0, "val_accuracy": 0.2},
+        {"loss": 1.0, "val_accuracy": 0.6},
+        {"loss": 0.5, "val_accuracy": 0.9},
+    ]
+    shown = []
+    for i, logs in enumerate(epochs):
+        bar.on_epoch_end(i, logs)
+        shown.append(re.split(r"[\r\n]", capsys.readouterr().out.strip())[-1])
+    bar.on_train_end()
+    # Each epoch's line carries that epoch's values (was: the mean over the epochs so far,
+    # loss 2.0 at epoch 2).
+    for i, (line, logs) in enumerate(zip(shown, epochs)):
+        assert f"{i + 1}/3" in line
+        assert f"loss: {logs['loss']:.4f}" in line, line
+        assert f"val_accuracy: {logs['val_accuracy']:.4f}" in line, line
+
+
+def test_demo_progress_bar_says_when_stopped_early(capsys):
+    from keras_perf.demo import _StageBar
+
+    bar = _StageBar("[stage]", epochs=10)
+    bar.on_train_begin()
+    bar.on_epoch_end(0, {"loss": 1.0})
+    bar.on_train_end()
+    assert "stopped after 1 of 10 epochs" in capsys.readouterr().out
+
+
+def test_demo_summary_plot_axes_are_honest(tmp_path):
+    pytest.importorskip("matplotlib")
+    from keras_perf.demo import _summary_plot
+
+    rows = [
+        {"model": "teacher", "accuracy": 0.95, "gzip_bytes": 313_000, "tflite_bytes": None},
+        {"model": "student alone", "accuracy": 0.31, "gzip_bytes": 9_000, "tflite_bytes": None},
+        {"model": "TFLite int8", "accuracy": 0.30, "gzip_bytes": 2_900, "tflite_bytes": 5_300},
+    ]
+    fig = _summary_plot(rows, tmp_path / "summary.png")
+    assert (tmp_path / "summary.png").stat().st_size > 0
+    acc, size = fig.axes
+    # Accuracy from 0 (a 0.31 bar was invisible under the old 0.8-1.0 axis).
+    assert acc.get_xlim()[0] == 0 and max(acc.get_xticks()) == 1.0
+    assert [round(p.get_width(), 2) for p in acc.patches] == [0.95, 0.31, 0.30]
+    # Sizes over two orders of magnitude on a log axis; every bar inside the axis.
+    assert size.get_xscale() == "log"
+    lo, hi = size.get_xlim()
+    assert all(lo < p.get_width() < hi for p in size.patches)
+    # The two kinds of size are two colours, explained by one legend outside both axes.
+    colours = {p.get_facecolor() for p in size.patches}
+    assert len(colours) == 2 and len({p.get_facecolor() for p in acc.patches}) == 1
+    assert len(fig.legends) == 1 and not acc.get_legend() and not size.get_legend()
+    renderer = fig.canvas.get_renderer()
+    legend_box = fig.legends[0].get_window_extent(renderer)
+    for ax in fig.axes:
+        assert not legend_box.overlaps(ax.get_window_extent(renderer))
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert labels == ["weights, gzip", "TFLite file"]
+
+
 def test_demo_rejects_bad_epochs():
     proc = subprocess.run(
         [sys.executable, "-m", "keras_perf.cli", "demo", "--epochs", "0"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2
     assert "--epochs" in proc.stderr and ">= 1" in proc.stderr
@@ -75,7 +314,9 @@ def test_demo_rejects_bad_epochs():
 def test_demo_rejects_unknown_backend():
     proc = subprocess.run(
         [sys.executable, "-m", "keras_perf.cli", "demo", "--backend", "theano"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2
     assert "--backend" in proc.stderr and "tensorflow" in proc.stderr
@@ -134,7 +375,10 @@ def test_bench_quick_prints_every_row(tmp_path):
     md = tmp_path / "bench.md"
     proc = subprocess.run(
         [sys.executable, "-m", "keras_perf.cli", "bench", "--quick", "--markdown", str(md)],
-        capture_output=True, text=True, timeout=900, cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=root,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     scripts = sorted(p.name for p in (root / "benchmarks").glob("bench_*.py"))
@@ -143,7 +387,7 @@ def test_bench_quick_prints_every_row(tmp_path):
     assert "FAILED" not in proc.stdout
     table = md.read_text()
     rows = [ln for ln in table.splitlines() if ln.startswith("| ") and not ln.startswith("| claim")]
-    assert len(rows) >= len(scripts)              # every script contributes its claims
+    assert len(rows) >= len(scripts)  # every script contributes its claims
 
 
 def test_bench_quick_kills_a_script_that_hangs(tmp_path):

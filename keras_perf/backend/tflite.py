@@ -18,6 +18,8 @@ import warnings
 
 import numpy as np
 
+from keras_perf._imports import require
+
 QUANTIZATIONS = (None, "dynamic", "float16", "int8")
 _DEPRECATED = ".*tf.lite.Interpreter is deprecated.*"
 
@@ -92,6 +94,7 @@ def interpreter(model_content: bytes, num_threads: int | None = None, allocate: 
     try:
         from ai_edge_litert.interpreter import Interpreter
     except ImportError:
+        require("tensorflow", "TFLite inference (tflite_predict)")
         import tensorflow as tf
 
         Interpreter = tf.lite.Interpreter

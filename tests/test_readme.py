@@ -13,7 +13,7 @@ def _bash_blocks(text):
 
 def test_readme_has_install_demo_and_test_commands():
     blocks = _bash_blocks((ROOT / "README.md").read_text())
-    assert "pip install . && keras-perf demo" in blocks[0]
+    assert 'pip install ".[tensorflow,demo]" && keras-perf demo' in blocks[0]
     assert TEST_COMMAND in blocks[1]
 
 

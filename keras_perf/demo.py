@@ -218,9 +218,10 @@ def run(out: str | os.PathLike = "keras-perf-demo", epochs: int = 30, verbose: b
     tune = max(2, epochs // 2)
     steps = tune * int(np.ceil(len(x) / 64))
     start = int(keras.ops.convert_to_numpy(distiller.optimizer.iterations))  # steps count on
+    frequency = max(1, steps // 20)  # end_step on the update grid, so 80 % is reached
     schedule = kp.PolynomialDecay(
         initial_sparsity=0.0, final_sparsity=0.8, begin_step=start,
-        end_step=start + max(1, int(steps * 0.6)), frequency=max(1, steps // 20),
+        end_step=start + max(1, int(steps * 0.6) // frequency) * frequency, frequency=frequency,
     )
     pruning = kp.PruningCallback(schedule)
     mon, cbs = stage_callbacks("pruned", tune, [pruning])

@@ -288,12 +288,13 @@ def prune_student(demo: _Demo, student, distiller):
     tune = max(2, demo.epochs // 2)
     steps = tune * int(np.ceil(len(demo.train[0]) / BATCH))
     start = int(keras.ops.convert_to_numpy(distiller.optimizer.iterations))  # steps count on
+    frequency = max(1, steps // 20)  # end_step on the update grid, so 80 % is reached
     schedule = kp.PolynomialDecay(
         initial_sparsity=0.0,
         final_sparsity=0.8,
         begin_step=start,
-        end_step=start + max(1, int(steps * 0.6)),
-        frequency=max(1, steps // 20),
+        end_step=start + max(1, int(steps * 0.6) // frequency) * frequency,
+        frequency=frequency,
     )
     mon = demo.fit(
         "pruned",

@@ -19,8 +19,13 @@ Public names: `PolynomialDecay`, `ConstantSparsity`, `PruningSchedule`, `Pruning
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import importlib.util
+import math
 import re
+import sys
+import weakref
 from dataclasses import dataclass, field
 
 import keras
@@ -68,7 +73,13 @@ class PruningSchedule:
 
     @classmethod
     def from_config(cls, config: dict):
-        """Create a schedule from the dict `get_config` returned."""
+        """Create a schedule from the dict `get_config` returned.
+
+        tfmot's nested form, `{"class_name": ..., "config": {...}}` (what tfmot's own
+        `get_config` returns), is accepted as well.
+        """
+        if "config" in config and "class_name" in config:
+            config = config["config"]
         return cls(**config)
 
     @staticmethod
@@ -93,7 +104,7 @@ class PruningSchedule:
                 + (" or -1 (prune until training ends)" if allow_forever else "")
                 + f"; got {end_step}."
             )
-        return begin_step, end_step, frequency
+        return int(begin_step), int(end_step), int(frequency)
 
 
 def _check_sparsity(name: str, value) -> float:
@@ -103,6 +114,86 @@ def _check_sparsity(name: str, value) -> float:
 def _f32(x) -> float:
     """`x` rounded to float32, as tfmot's TF ops compute it, returned as a Python float."""
     return float(np.float32(x))
+
+
+def _load_powf():
+    """The C library's `powf`: what TensorFlow's scalar `Pow` kernel computes (`std::pow`).
+
+    Looked up on first use: the process's own symbols first (POSIX; Python links libm), then
+    the math library by name.
+    """
+    if sys.platform == "win32":
+        candidates = [lambda: ctypes.CDLL("ucrtbase"), lambda: ctypes.CDLL("msvcrt")]
+    else:
+        candidates = [lambda: ctypes.CDLL(None), lambda: ctypes.CDLL(ctypes.util.find_library("m"))]
+    for load in candidates:
+        try:
+            fn = load().powf
+        except (OSError, AttributeError, TypeError):
+            continue
+        fn.restype, fn.argtypes = ctypes.c_float, [ctypes.c_float, ctypes.c_float]
+        return fn
+    return None
+
+
+_POWF: list = []  # [powf or None], filled on first use
+
+
+def _powf(x: np.float32, y: np.float32) -> np.float32:
+    """float32 `x ** y` exactly as TensorFlow's scalar `Pow` gives it (the C `powf`).
+
+    NumPy's float32 `power` is not that function (it differs on about a third of inputs), and
+    neither is the double `pow` rounded to float32 (about 1 in 1,000). Without a C `powf` (no
+    such platform is known) the double result rounded to float32 is used.
+    """
+    if not _POWF:
+        _POWF.append(_load_powf())
+    if _POWF[0] is not None:
+        return np.float32(_POWF[0](float(x), float(y)))
+    return np.float32(math.pow(float(x), float(y)))
+
+
+def _polynomial_sparsity(schedule, step: int, in_graph: bool = True) -> float:
+    """tfmot's `PolynomialDecay` sparsity at `step`, bit for bit, as a Python float.
+
+    tfmot computes, in float32, `p = min(1, max(0, float(step - begin) / (end - begin)))` and
+    `(initial - final) * pow(1 - p, power) + final`. TensorFlow evaluates that in two ways:
+
+    - eagerly (`in_graph=False`): as written; `pow` is the C `powf`;
+    - inside a `tf.function` (`in_graph=True`, how tfmot evaluates it during `fit`), Grappler
+      rewrites the graph first: the division by the constant span becomes a multiplication by
+      its float32 reciprocal; `pow(d, 2)` becomes `(p - 1)**2`, `pow(d, 0.5)` `sqrt(d)`,
+      `pow(d, 3)` `d * d**2` with the constant factor pushed into it,
+      `((initial - final) * d) * d**2`, `pow(d, 1)` `d`.
+
+    The two differ by one float32 ulp on a few percent of steps.
+    """
+    f32 = np.float32
+    begin, end = schedule.begin_step, schedule.end_step
+    span = f32(end - begin)
+    num = f32(step - begin)
+    if span == 0:  # tfmot: 0/0 = nan at begin_step; we jump to `final` there (documented).
+        p = f32(1.0 if step >= begin else 0.0)
+    elif in_graph:
+        p = num * (f32(1.0) / span)
+    else:
+        p = num / span
+    p = min(f32(1.0), max(f32(0.0), p))
+    d = f32(1.0) - p
+    power = f32(schedule.power)
+    scale = f32(schedule.initial_sparsity - schedule.final_sparsity)
+    final = f32(schedule.final_sparsity)
+    if in_graph and power == 3:
+        return float((scale * d) * (d * d) + final)
+    if in_graph and power == 2:
+        decay = (p - f32(1.0)) * (p - f32(1.0))
+    elif in_graph and power == 0.5:
+        decay = np.sqrt(d)
+    elif power == 1:
+        decay = d
+    else:
+        decay = _powf(d, power)
+    return float(scale * f32(decay) + final)
 
 
 @keras.saving.register_keras_serializable(package="keras_perf")
@@ -169,7 +260,10 @@ class PolynomialDecay(PruningSchedule):
     """Sparsity rising from `initial_sparsity` to `final_sparsity` (tfmot semantics).
 
     At step `t`, with `p = clip((t - begin_step) / (end_step - begin_step), 0, 1)`:
-    `s = final + (initial - final) * (1 - p) ** power`, computed in float32 as tfmot does. The
+    `s = final + (initial - final) * (1 - p) ** power`. The value is tfmot's bit for bit, as
+    tfmot computes it during `fit` (in float32, inside a `tf.function`, where TensorFlow's
+    graph optimizer multiplies by `1 / (end_step - begin_step)` instead of dividing; tfmot's
+    schedule called eagerly can be one float32 ulp away on a few percent of steps). The
     masks are recomputed every `frequency` steps in `[begin_step, end_step]`.
 
     Args:
@@ -177,7 +271,8 @@ class PolynomialDecay(PruningSchedule):
         final_sparsity: Sparsity from `end_step` on, in `[0, 1)`.
         begin_step: First step at which the masks are computed (>= 0).
         end_step: Step at which `final_sparsity` is reached; must be >= `begin_step`.
-        power: Exponent of the decay; 3 rises fast, then levels off. Defaults to `3`.
+        power: Exponent of the decay, a finite number > 0; 3 rises fast, then levels off.
+            Defaults to `3`.
         frequency: Recompute the masks every `frequency` steps from `begin_step`.
             Defaults to `100`.
 
@@ -186,7 +281,7 @@ class PolynomialDecay(PruningSchedule):
 
     Raises:
         ValueError: a sparsity outside `[0, 1)`, `begin_step < 0`, `end_step < begin_step`
-            (`-1` is not accepted here) or `frequency < 1`.
+            (`-1` is not accepted here), `frequency < 1` or `power` not finite and > 0.
         TypeError: a non-numeric argument.
 
     Example:
@@ -207,25 +302,17 @@ class PolynomialDecay(PruningSchedule):
     ):
         self.initial_sparsity = _check_sparsity("initial_sparsity", initial_sparsity)
         self.final_sparsity = _check_sparsity("final_sparsity", final_sparsity)
-        self.power = check_number("power", power)
+        self.power = check_number("power", power, low=0.0, low_inclusive=False)
+        if math.isinf(self.power):
+            raise ValueError(f"`power` must be a finite number > 0; got {power!r}.")
         self.begin_step, self.end_step, self.frequency = self._check_steps(
             begin_step, end_step, frequency, allow_forever=False
         )
 
     def __call__(self, step: int) -> tuple[bool, float]:
         step = int(step)
-        span = self.end_step - self.begin_step
-        if span == 0:  # tfmot divides by zero here (nan at begin_step); we jump to `final`.
-            p = np.float32(1.0 if step >= self.begin_step else 0.0)
-        else:
-            p = np.float32(step - self.begin_step) / np.float32(span)
-            p = np.minimum(np.float32(1.0), np.maximum(np.float32(0.0), p))
-        decay = np.power(np.float32(1.0) - p, np.float32(self.power))
-        sparsity = np.float32(self.initial_sparsity - self.final_sparsity) * decay + np.float32(
-            self.final_sparsity
-        )
         should = self._should_prune_in_step(step, self.begin_step, self.end_step, self.frequency)
-        return should, float(np.float32(sparsity))
+        return should, _polynomial_sparsity(self, step)
 
     def get_config(self) -> dict:
         return {
@@ -445,7 +532,10 @@ def _select(model, include=(), exclude=()) -> list[_Target]:
     for item in exclude:
         ids = covered(item)
         if not ids:
-            warn(f"`exclude` item {item!r} matches no prunable weight of model {model.name!r}.")
+            raise ValueError(
+                f"`exclude` item {item!r} matches no prunable weight of model "
+                f"{model.name!r}. Prunable layers: {_describe(_all_prunable(model))}."
+            )
         targets = [t for t in targets if id(t.variable) not in ids]
     if not targets:
         raise ValueError(
@@ -544,8 +634,9 @@ class _MaskConstraint:
         return ops.multiply(w, ops.cast(self.mask, w.dtype))
 
 
-def _refresh_train_step(model, masks_changed: bool, constraints_changed: bool,
-                        masks_carried: bool = False) -> None:
+def _refresh_train_step(
+    model, masks_changed: bool, constraints_changed: bool, masks_carried: bool = False
+) -> None:
     """Make the next `fit` step see new constraints (all backends) or new mask values.
 
     A TF or torch step reads the mask variables when it runs. A jitted JAX step bakes in the
@@ -586,6 +677,30 @@ def _install(targets, initial=None, derive_from_zeros: bool = False) -> bool:
         t.variable.constraint = _MaskConstraint(t.mask, current)
         changed = True
     return changed
+
+
+def _guard_set_weights(model) -> None:
+    """Make `model.set_weights` keep pruned entries zero while masks are installed.
+
+    `EarlyStopping(restore_best_weights=True)` (Keras' and ours) and `TimeLimit` put back an
+    earlier epoch's weights with `model.set_weights` in their `on_train_end`, which may run
+    after ours; those weights were masked with the masks of their epoch, and the masks have
+    pruned more since. The latest masks apply: restored weights are masked again, so the
+    model has the sparsity logged last. Removed by `strip_pruning`.
+    """
+    if getattr(vars(model).get("set_weights"), "_kp_pruning_guard", False):
+        return
+    plain = type(model).set_weights
+
+    def set_weights(weights):
+        plain(model, weights)
+        for v in model.weights:
+            if isinstance(v.constraint, _MaskConstraint):
+                v.assign(ops.multiply(v.value, ops.cast(v.constraint.mask.value, v.dtype)))
+
+    set_weights._kp_pruning_guard = True
+    set_weights.__doc__ = plain.__doc__
+    object.__setattr__(model, "set_weights", set_weights)
 
 
 def _apply_masks(targets, masks=None) -> None:
@@ -687,6 +802,19 @@ class PruningCallback(keras.callbacks.Callback):
     so `model.save`/`load_model` and `keras.callbacks.BackupAndRestore` continue with the same
     pattern. `state_dict()`/`load_state_dict()` carry the masks explicitly as well.
 
+    Restored weights: `EarlyStopping`/`TimeLimit` with `restore_best_weights=True` put back an
+    earlier epoch's weights with `model.set_weights`. While masks are installed, a pruned
+    model's `set_weights` masks what it sets with the *latest* masks, so after `fit` the model
+    has the sparsity logged last (`history["sparsity"][-1]`) and every pruned entry is zero.
+
+    At the first epoch, when `fit` knows its length, a warning says if this fit ends before
+    the schedule reaches its target (e.g. `end_step` beyond the planned steps), with the
+    numbers: steps planned, `end_step`, and the sparsity the last mask update will reach.
+
+    A model Keras builds only in its first train step (a subclassed model never called before
+    `fit`, on TensorFlow) has no weights before that step: its masks are installed right
+    after it, and a mask update due at that first step runs then.
+
     Logs `sparsity` (the fraction of pruned entries over all target weights) in the epoch logs;
     a `keras.callbacks.TensorBoard` placed after this callback records it as a scalar, and
     `log_dir` writes per-weight sparsity at every mask update.
@@ -715,8 +843,9 @@ class PruningCallback(keras.callbacks.Callback):
     Raises:
         ImportError: `log_dir` given but TensorBoard is not installed.
         ValueError: bad `scope`, `m_by_n`, `verbose`; at the start of `fit`: a model without
-            prunable weights, an `include` item that matches none (the message lists them) or
-            a model without an optimizer.
+            prunable weights, an `include` or `exclude` item that matches none (the message
+            lists them), a model without an optimizer, or a second PruningCallback on the same
+            model in the same `fit` (the message names both).
         TypeError: a `schedule` that is not a schedule, bad `include`/`exclude` items.
 
     Example:
@@ -779,6 +908,8 @@ class PruningCallback(keras.callbacks.Callback):
         self._spe = 1
         self._pending_state: dict | None = None
         self._writer = None
+        self._plan_checked = False
+        self._missed = None
 
     # -- state --------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -824,36 +955,78 @@ class PruningCallback(keras.callbacks.Callback):
             config["m_by_n"] = tuple(config["m_by_n"])
         return cls(**config)
 
+    def __repr__(self) -> str:
+        args = [repr(self.schedule), f"scope={self.scope!r}"]
+        for name in ("m_by_n", "include", "exclude"):
+            if getattr(self, name):
+                args.append(f"{name}={getattr(self, name)!r}")
+        return f"PruningCallback({', '.join(args)})"
+
     # -- hooks --------------------------------------------------------------------------------
     def on_train_begin(self, logs=None):
         model = self._model
         if getattr(model, "optimizer", None) is None:
             raise ValueError("PruningCallback needs a compiled model (it counts optimizer steps).")
-        if self._targets_model is not model:
+        self._claim(model)
+        # An unbuilt model (subclassed, never called) is built by Keras before this hook on
+        # JAX and torch, but only inside the first train step on TensorFlow: its weights are
+        # found as soon as they exist (see `on_train_batch_begin`).
+        if model.built and self._targets_model is not model:
             self.targets = _select(model, self.include, self.exclude)
             self._targets_model = model
+        _guard_set_weights(model)
         self._spe = int(getattr(model, "steps_per_execution", 1) or 1)
         self.history = []
         self._ready = False
+        self._plan_checked = False
+        self._missed = None
+
+    def _claim(self, model) -> None:
+        """Refuse a second PruningCallback on the same model in the same `fit`.
+
+        Keras gives every callback of one `fit` the same `params` dict, which tells a second
+        callback of this fit from one left over from an earlier (possibly interrupted) fit.
+        """
+        owner = vars(model).get("_kp_pruning_owner")
+        if owner is not None:
+            other, params = owner[0](), owner[1]
+            if other is not None and other is not self and params is self.params:
+                raise ValueError(
+                    f"Two PruningCallbacks prune model {model.name!r} in the same fit: "
+                    f"{other!r} and {self!r}. Each would overwrite the other's masks (the last "
+                    "one silently winning). Pass one PruningCallback per model; to prune "
+                    "layers differently, run one fit per phase, or use `include`/`exclude` "
+                    "and `scope` of a single callback."
+                )
+        object.__setattr__(model, "_kp_pruning_owner", (weakref.ref(self), self.params))
 
     def on_epoch_begin(self, epoch, logs=None):
         model = self.model  # on JAX this attaches the latest state to the variables
         self._step = int(ops.convert_to_numpy(model.optimizer.iterations))
-        if not self._ready:
-            # After every on_train_begin (BackupAndRestore has restored the weights by now).
-            pruned_before = self._pruned_before()
-            state = self._pending_state or {}
-            initial = state.get("masks")
-            if initial is not None:
-                initial = {t.path: initial[_relative_path(model, t)] for t in self.targets
-                           if _relative_path(model, t) in initial}  # fmt: skip
-            changed = _install(self.targets, initial, derive_from_zeros=pruned_before)
-            self._pending_state = None
-            self.sparsity, per = _mask_sparsity(self.targets)
-            # JAX: the masks join the optimizer state, so mask updates need no retrace.
-            self._carried = _backend.carry_in_step_state(model, [t.mask for t in self.targets])
-            _refresh_train_step(model, masks_changed=False, constraints_changed=changed)
-            self._ready = True
+        if not self._plan_checked:
+            # At the first epoch: BackupAndRestore has restored the step and epoch by now.
+            self._plan_checked = True
+            self._check_plan(epoch)
+        if not self._ready and model.built:
+            self._setup(model, pruned_before=self._pruned_before())
+
+    def _setup(self, model, pruned_before: bool) -> None:
+        """Find the weights (if not yet) and install the masks; once per fit."""
+        if self._targets_model is not model:
+            self.targets = _select(model, self.include, self.exclude)
+            self._targets_model = model
+        state = self._pending_state or {}
+        initial = state.get("masks")
+        if initial is not None:
+            initial = {t.path: initial[_relative_path(model, t)] for t in self.targets
+                       if _relative_path(model, t) in initial}  # fmt: skip
+        changed = _install(self.targets, initial, derive_from_zeros=pruned_before)
+        self._pending_state = None
+        self.sparsity, per = _mask_sparsity(self.targets)
+        # JAX: the masks join the optimizer state, so mask updates need no retrace.
+        self._carried = _backend.carry_in_step_state(model, [t.mask for t in self.targets])
+        _refresh_train_step(model, masks_changed=False, constraints_changed=changed)
+        self._ready = True
 
     def _pruned_before(self) -> bool:
         """Whether the schedule has named a prune step before the current step."""
@@ -861,6 +1034,48 @@ class PruningCallback(keras.callbacks.Callback):
             return self._step > self.schedule.begin_step
         # Any other schedule: look back over (at most) the last 100k steps.
         return any(self.schedule(s)[0] for s in range(max(0, self._step - 100_000), self._step))
+
+    def _check_plan(self, epoch: int) -> None:
+        """Warn when this fit ends before the schedule reaches its target sparsity."""
+        schedule, steps, epochs = self.schedule, self.params.get("steps"), self.params.get("epochs")
+        if not steps or not epochs or not isinstance(schedule, (PolynomialDecay, ConstantSparsity)):
+            return  # unknown length, or a schedule we cannot reason about
+        n = (epochs - epoch) * steps
+        if n <= 0:
+            return
+        first, last = self._step, self._step + n - 1
+        begin, end, frequency = schedule.begin_step, schedule.end_step, schedule.frequency
+        plan = (
+            f"this fit runs {n} steps ({epochs - epoch} epochs x {steps}"
+            + (f" from epoch {epoch}" if epoch else "")
+            + f"), steps {first}-{last}"
+        )
+        if end != -1 and first > end:
+            return  # pruning ended before this fit: fine-tuning
+        if begin > last:
+            warn(
+                f"PruningCallback: no mask update in this fit: {plan}, but begin_step={begin}. "
+                "Nothing will be pruned; lower `begin_step` or train for more steps."
+            )
+            return
+        if isinstance(schedule, ConstantSparsity):
+            return
+        last_prune = begin + ((min(end, last) - begin) // frequency) * frequency
+        reached, target = schedule(last_prune)[1], schedule(end)[1]
+        if last_prune >= end or reached == target:
+            return
+        why = (
+            f"but the schedule's end_step={end} lies beyond them"
+            if end > last
+            else f"but end_step={end} is not begin_step={begin} plus a multiple of "
+            f"frequency={frequency}"
+        )
+        warn(
+            f"PruningCallback: the schedule will not reach its target: {plan}, {why}: the last "
+            f"mask update, at step {last_prune}, prunes to {reached:.4f}, not "
+            f"final_sparsity={schedule.final_sparsity!r}. Set `end_step` <= {last} (and equal "
+            "to `begin_step` plus a multiple of `frequency`), or train for more steps."
+        )
 
     def on_train_batch_begin(self, batch, logs=None):
         step = self._step
@@ -870,6 +1085,15 @@ class PruningCallback(keras.callbacks.Callback):
             should, sparsity = self.schedule(s)
             if should:
                 due = (s, sparsity)
+        if not self._ready:
+            # TensorFlow builds an unbuilt model inside its first train step: no weights to
+            # prune before it. A prune step due then runs as soon as the weights exist.
+            if not self._model.built:
+                self._missed = due or self._missed
+                return
+            self._setup(self.model, pruned_before=False)
+            due = due or self._missed
+            self._missed = None
         if due is not None:
             self._update(*due)
 
@@ -878,6 +1102,11 @@ class PruningCallback(keras.callbacks.Callback):
             logs["sparsity"] = self.sparsity
 
     def on_train_end(self, logs=None):
+        if not self._ready and self._model.built and self._missed is not None:
+            # A one-batch fit of a model built in that batch (TensorFlow): prune now.
+            self._setup(self.model, pruned_before=False)
+            self._update(*self._missed)
+            self._missed = None
         # Weight EMA (`use_ema=True`) overwrites the weights after the last step: mask again.
         if self._ready:
             model = self.model  # on JAX this attaches the latest state to the variables
@@ -899,8 +1128,9 @@ class PruningCallback(keras.callbacks.Callback):
         self.history.append(
             {"step": step, "target_sparsity": target_sparsity, "sparsity": self.sparsity}
         )
-        _refresh_train_step(model, masks_changed=True, constraints_changed=False,
-                            masks_carried=self._carried)
+        _refresh_train_step(
+            model, masks_changed=True, constraints_changed=False, masks_carried=self._carried
+        )
         if self.verbose:
             print(
                 f"PruningCallback: step {step}: target sparsity {target_sparsity:.4f}, "
@@ -1002,6 +1232,8 @@ def strip_pruning(model):
             stripped = True
     if stripped and getattr(model, "train_function", None) is not None:
         model.train_function = None
+    if getattr(vars(model).get("set_weights"), "_kp_pruning_guard", False):
+        object.__delattr__(model, "set_weights")
     return model
 
 
@@ -1049,6 +1281,7 @@ def prune_low_magnitude(
         model, _check_selectors("include", include), _check_selectors("exclude", exclude)
     )
     changed = _install(targets)
+    _guard_set_weights(model)
     masks, _ = _compute_masks(targets, sparsity, scope, m_by_n)
     _apply_masks(targets, masks)
     _refresh_train_step(model, masks_changed=True, constraints_changed=changed)

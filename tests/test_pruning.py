@@ -95,12 +95,15 @@ def test_constant_sparsity_values():
 
 @pytest.mark.backends("tensorflow")
 def test_schedules_match_tfmot():
+    import tensorflow as tf
+
     mot = tfmot().sparsity.keras
     compared = 0
     for args in POLY_CASES:
         ours, theirs = kp.PolynomialDecay(*args), mot.PolynomialDecay(*args)
+        in_fit = tf.function(theirs)  # how tfmot evaluates it during fit
         for step in STEPS:
-            should, sparsity = theirs(step)
+            should, sparsity = in_fit(tf.constant(step, tf.int64))
             assert ours(step) == (bool(should.numpy()), float(sparsity.numpy())), (args, step)
             compared += 1
     for args in CONST_CASES:
@@ -550,8 +553,8 @@ def test_include_matching_nothing_lists_prunable_layers(digits):
         model.fit(x[:32], y[:32], epochs=1, callbacks=[cb], verbose=0)
 
 
-def test_exclude_matching_nothing_warns():
-    with pytest.warns(kp.KerasPerfWarning, match="exclude"):
+def test_exclude_matching_nothing_is_an_error_in_select():
+    with pytest.raises(ValueError, match="`exclude` item 'nothing_here' matches no"):
         _select(mlp(), (), ("nothing_here",))
 
 
@@ -639,7 +642,8 @@ def test_save_load_resume_keeps_pattern(digits, tmp_path):
     model = compile_(mlp())
     schedule = kp.PolynomialDecay(0.2, 0.7, begin_step=0, end_step=30, frequency=15)
     cb = kp.PruningCallback(schedule)
-    model.fit(x[:320], y[:320], batch_size=32, epochs=1, callbacks=[cb], verbose=0)  # steps 0-9
+    with pytest.warns(kp.KerasPerfWarning, match="end_step=30 lies beyond"):  # on purpose
+        model.fit(x[:320], y[:320], batch_size=32, epochs=1, callbacks=[cb], verbose=0)  # 0-9
     assert [h["step"] for h in cb.history] == [0]
     saved = weights_of(model)
     path = str(tmp_path / "pruning.keras")
@@ -648,7 +652,8 @@ def test_save_load_resume_keeps_pattern(digits, tmp_path):
     assert kp.sparsity_report(loaded)["total"] == kp.sparsity_report(model)["total"]
     cb2 = kp.PruningCallback(schedule)
     spy = WeightsAtBatchEnd(5)  # steps 10-14: before the next prune step (15)
-    loaded.fit(x[:320], y[:320], batch_size=32, epochs=2, callbacks=[cb2, spy], verbose=0)
+    with pytest.warns(kp.KerasPerfWarning, match="end_step=30 lies beyond"):  # steps 10-29
+        loaded.fit(x[:320], y[:320], batch_size=32, epochs=2, callbacks=[cb2, spy], verbose=0)
     for seen in spy.seen:
         for p, w in saved.items():
             assert np.all(seen[p][w == 0] == 0.0)  # masks rebuilt from the saved zeros
@@ -701,7 +706,8 @@ def test_state_dict_round_trip(digits):
     )  # zeros gone: masks must come from state
     cb2 = kp.PruningCallback(kp.ConstantSparsity(0.5, begin_step=100))  # no update in this fit
     cb2.load_state_dict(state)
-    fresh.fit(x[:64], y[:64], batch_size=32, epochs=1, callbacks=[cb2], verbose=0)
+    with pytest.warns(kp.KerasPerfWarning, match="no mask update in this fit"):
+        fresh.fit(x[:64], y[:64], batch_size=32, epochs=1, callbacks=[cb2], verbose=0)
     assert cb2.history == []
     np.testing.assert_array_equal(
         keras.ops.convert_to_numpy(fresh.layers[0].kernel) == 0,
@@ -737,3 +743,280 @@ def test_docstring_examples_run():
     globs = {"kp": kp, "keras": keras, "np": np}
     result = doctest.testmod(module, extraglobs=globs, optionflags=doctest.ELLIPSIS)
     assert result.attempted >= 10 and result.failed == 0, result
+
+
+# --------------------------------------------------------------------------------------------
+# regressions: restored weights, two callbacks, unreachable schedules, unbuilt models,
+# bit-exact schedules, schedule serialisation, resumes
+# --------------------------------------------------------------------------------------------
+
+
+class FakeMetric(keras.callbacks.Callback):
+    """Writes `logs["fake"]` from a fixed list, so the best epoch is known in advance."""
+
+    def __init__(self, values):
+        super().__init__()
+        self.values = values
+
+    def on_epoch_end(self, epoch, logs=None):
+        logs["fake"] = self.values[epoch]
+
+
+def _early_stopping(kind):
+    cls = keras.callbacks.EarlyStopping if kind == "keras" else kp.EarlyStopping
+    return cls(monitor="fake", mode="min", patience=2, restore_best_weights=True)
+
+
+@pytest.mark.parametrize("kind", ["keras", "kp"])
+@pytest.mark.parametrize("pruning_first", [True, False])
+def test_restore_best_weights_keeps_the_latest_masks(digits, kind, pruning_first):
+    # Regression: EarlyStopping(restore_best_weights=True) put back the best epoch's weights,
+    # pruned less than the masks by then (logged 0.898, real 0.892). The latest masks apply.
+    (x, y), _ = digits
+    model = compile_(mlp())
+    cb = kp.PruningCallback(kp.PolynomialDecay(0.0, 0.8, 0, 30, frequency=5))
+    stop = _early_stopping(kind)
+    order = [cb, stop] if pruning_first else [stop, cb]
+    history = model.fit(x[:320], y[:320], batch_size=32, epochs=6, verbose=0,
+                        callbacks=[FakeMetric([3.0, 1.0, 2.0, 2.5, 4.0, 5.0]), *order])  # fmt: skip
+    assert stop.best_epoch == 1 and len(history.history["loss"]) == 4  # restored from epoch 1
+    logged = history.history["sparsity"][-1]
+    assert logged == cb.sparsity and logged > history.history["sparsity"][1] + 0.05
+    total = 0
+    best = dict(zip([v.path for v in model.weights], stop.best_weights))
+    for t in cb.targets:
+        w = keras.ops.convert_to_numpy(t.variable.value)
+        mask = keras.ops.convert_to_numpy(t.mask.value)
+        np.testing.assert_array_equal(w, best[t.path] * mask)  # best weights, latest masks
+        assert np.count_nonzero(w) == np.count_nonzero(mask)
+        total += mask.size
+    report = kp.sparsity_report(model)["total"]
+    assert report["sparsity"] == pytest.approx(logged, abs=0.5 / total)
+
+
+def test_two_pruning_callbacks_on_one_model_are_an_error(digits):
+    (x, y), _ = digits
+    model = compile_(mlp())
+    first = kp.PruningCallback(kp.ConstantSparsity(0.5, 0, frequency=2))
+    second = kp.PruningCallback(kp.PolynomialDecay(0.0, 0.8, 0, 1, frequency=1), scope="global")
+    with pytest.raises(ValueError, match=r"(?s)Two PruningCallbacks.*ConstantSparsity.*"
+                       r"PolynomialDecay.*scope='global'"):  # fmt: skip
+        model.fit(x[:64], y[:64], epochs=1, callbacks=[first, second], verbose=0)
+    assert int(keras.ops.convert_to_numpy(model.optimizer.iterations)) == 0  # before any step
+    # One at a time is fine: a second fit may bring another callback (or the same again).
+    model.fit(x[:64], y[:64], batch_size=32, epochs=1, callbacks=[second], verbose=0)
+    model.fit(x[:64], y[:64], batch_size=32, epochs=1, callbacks=[first], verbose=0)
+    assert first.history[0]["step"] == 2
+
+
+def _hooks(model, cb, epochs, steps, initial_epoch=0):
+    cb.set_model(model)
+    cb.set_params({"epochs": epochs, "steps": steps, "verbose": 0})
+    cb.on_train_begin()
+    cb.on_epoch_begin(initial_epoch)  # the plan is checked here, before any step
+
+
+def test_schedule_that_cannot_reach_its_target_warns(digits):
+    # The README's snippet: 1,077 examples, batch 32 (34 steps), 10 epochs = 340 steps, but the
+    # schedule ends at step 2000: its last mask update (step 300) prunes to 0.309, not 0.8.
+    (x, y), _ = digits
+    schedule = kp.PolynomialDecay(0.0, 0.8, begin_step=0, end_step=2000, frequency=100)
+    reached = schedule(300)[1]
+    assert reached == pytest.approx(0.8 * (1 - 0.85**3), abs=1e-6)
+    model = compile_(mlp())
+    with pytest.warns(kp.KerasPerfWarning, match=(
+        rf"340 steps \(10 epochs x 34\).*steps 0-339.*end_step=2000.*step 300.*{reached:.4f}"
+        r".*final_sparsity=0\.8"
+    )):  # fmt: skip
+        model.fit(x[:1077], y[:1077], batch_size=32, epochs=10, callbacks=[
+            kp.PruningCallback(schedule)], verbose=0)  # fmt: skip
+    assert kp.sparsity_report(model)["total"]["sparsity"] == pytest.approx(reached, abs=1e-3)
+
+
+@pytest.mark.parametrize(
+    "schedule, epochs, steps, match",
+    [
+        (kp.PolynomialDecay(0.0, 0.8, 0, 90, frequency=20), 10, 10, r"step 80.*0\.79"),
+        (kp.ConstantSparsity(0.5, begin_step=100), 5, 10, r"no mask update.*begin_step=100"),
+        (kp.PolynomialDecay(0.0, 0.8, 60, 200, frequency=10), 5, 10, r"no mask update"),
+    ],
+)
+def test_unreachable_schedule_cases_warn(schedule, epochs, steps, match):
+    model = compile_(mlp())
+    with pytest.warns(kp.KerasPerfWarning, match=match):
+        _hooks(model, kp.PruningCallback(schedule), epochs, steps)
+
+
+@pytest.mark.parametrize(
+    "schedule, epochs, steps",
+    [
+        (kp.PolynomialDecay(0.0, 0.8, 0, 99, frequency=33), 10, 10),  # end at step 99: reached
+        (kp.ConstantSparsity(0.5, begin_step=99), 10, 10),
+        (kp.PolynomialDecay(0.0, 0.8, 0, 2000, frequency=100), 10, None),  # unknown length
+    ],
+)
+def test_reachable_schedule_does_not_warn(schedule, epochs, steps):
+    _hooks(compile_(mlp()), kp.PruningCallback(schedule), epochs, steps)  # warnings are errors
+
+
+def test_subclassed_model_fitted_without_building(digits):
+    # Regression: a subclassed model compiled and fitted the normal way (never called or built
+    # before `fit`) raised "not built" on TensorFlow, where Keras builds it in the first step.
+    (x, y), _ = digits
+    model = compile_(Net())
+    assert not model.built
+    cb = kp.PruningCallback(kp.PolynomialDecay(0.0, 0.6, 0, 6, frequency=3))
+    history = model.fit(x[:320], y[:320], batch_size=32, epochs=2, callbacks=[cb], verbose=0)
+    assert sorted(t.path for t in cb.targets) == sorted(
+        [model.block.inner.kernel.path, model.head.kernel.path]
+    )
+    assert [h["step"] for h in cb.history][-2:] == [3, 6]
+    assert history.history["sparsity"][-1] == cb.sparsity == pytest.approx(0.6, abs=0.01)
+    for t in cb.targets:
+        w = keras.ops.convert_to_numpy(t.variable.value)
+        assert np.all(w[keras.ops.convert_to_numpy(t.mask.value) == 0] == 0.0)
+    assert kp.sparsity_report(model)["total"]["sparsity"] == pytest.approx(0.6, abs=0.01)
+
+
+BIT_EXACT_CASES = [
+    (0.0, 0.8, 0, 2000, 3, 100),
+    (0.1, 0.9, 50, 1000, 3, 100),
+    (0.3, 0.95, 7, 2513, 3, 1),
+    (0.2, 0.85, 300, 1700, 1, 100),
+    (0.0, 0.6, 100, 2600, 0.5, 10),
+    (0.05, 0.7, 0, 2600, 2, 100),
+    (0.0, 0.9, 250, 2250, 4, 50),
+    (0.15, 0.75, 0, 1999, 1.5, 100),
+]
+
+
+@pytest.mark.backends("tensorflow")
+@pytest.mark.parametrize("args", BIT_EXACT_CASES)
+def test_polynomial_decay_bit_exact_with_tfmot_every_step(args):
+    # Regression: 1-ulp differences on hundreds of the 2,601 steps. tfmot's schedule gives two
+    # answers: eager TF divides; inside a tf.function (how tfmot evaluates it in training)
+    # Grappler multiplies by the reciprocal and rewrites pow(x, 2 | 3 | 0.5). Ours is the
+    # latter, and `_polynomial_sparsity(..., in_graph=False)` reproduces the former.
+    import tensorflow as tf
+
+    from keras_perf.pruning import _polynomial_sparsity
+
+    theirs = tfmot().sparsity.keras.PolynomialDecay(*args)
+    ours = kp.PolynomialDecay(*args)
+    steps = np.arange(0, 2601)
+    graph_fn = tf.function(lambda s: theirs(s))
+    eager, graph, should = [], [], []
+    for s in steps:
+        eager.append(theirs(tf.constant(s, tf.int64))[1].numpy())
+        g_should, g_sparsity = graph_fn(tf.constant(s, tf.int64))
+        graph.append(g_sparsity.numpy())
+        should.append(bool(g_should.numpy()))
+    eager, graph = np.array(eager, np.float32), np.array(graph, np.float32)
+    got = [ours(int(s)) for s in steps]
+    np.testing.assert_array_equal(np.array([g[1] for g in got], np.float32), graph)
+    assert [g[0] for g in got] == should
+    in_eager = np.array([_polynomial_sparsity(ours, int(s), in_graph=False) for s in steps])
+    np.testing.assert_array_equal(in_eager.astype(np.float32), eager)
+    assert 0 < np.max(np.abs(eager - graph)) < 1e-6  # tfmot differs from itself, slightly
+
+
+@pytest.mark.backends("tensorflow")
+def test_schedule_configs_load_in_tfmot_and_keras():
+    import tensorflow as tf
+
+    mot = tfmot().sparsity.keras
+    cases = [
+        (kp.PolynomialDecay(0.1, 0.8, 10, 500, power=2, frequency=25), mot.PolynomialDecay),
+        (kp.ConstantSparsity(0.6, 5, 300, 7), mot.ConstantSparsity),
+    ]
+    for ours, theirs_cls in cases:
+        theirs = theirs_cls.from_config(ours.get_config())
+        assert theirs.get_config()["config"] == {**ours.get_config()}
+        in_fit = tf.function(theirs)
+        for s in (0, 5, 10, 12, 35, 100, 300, 500, 600):
+            should, sparsity = in_fit(tf.constant(s, tf.int64))
+            assert ours(s) == (bool(should.numpy()), float(sparsity.numpy())), s
+        # tfmot's own nested form loads into ours, and ours through Keras' (de)serialiser.
+        again = type(ours).from_config(theirs.get_config())
+        assert again.get_config() == ours.get_config()
+        restored = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(ours))
+        assert type(restored) is type(ours) and restored.get_config() == ours.get_config()
+
+
+def test_schedule_config_is_plain_json():
+    import json
+
+    ours = kp.PolynomialDecay(np.float32(0.25), np.float64(0.75), np.int64(3), 40, np.int32(2))
+    config = ours.get_config()
+    assert json.loads(json.dumps(config)) == config
+    assert type(config["begin_step"]) is int and type(config["initial_sparsity"]) is float
+
+
+def test_exclude_matching_nothing_is_an_error(digits):
+    (x, y), _ = digits
+    model = compile_(mlp())
+    cb = kp.PruningCallback(kp.ConstantSparsity(0.5), exclude=["logitz"])
+    with pytest.raises(ValueError, match=r"`exclude` item 'logitz' matches no prunable.*logits"):
+        model.fit(x[:32], y[:32], epochs=1, callbacks=[cb], verbose=0)
+
+
+def test_masks_survive_backup_and_restore_before_the_next_update(digits, tmp_path):
+    # Interrupted after step 20, resumed: steps 20-24 (before the next update at 25) run with
+    # the pattern that existed at the interruption, not with all-ones masks.
+    (x, y), _ = digits
+    schedule = kp.PolynomialDecay(0.0, 0.7, begin_step=5, end_step=35, frequency=10)
+
+    def run(extra):
+        keras.utils.set_random_seed(3)
+        model = compile_(mlp())
+        backup = keras.callbacks.BackupAndRestore(str(tmp_path / "backup"))
+        pruning, spy = kp.PruningCallback(schedule), WeightsAtBatchEnd(5)
+        model.fit(x[:320], y[:320], batch_size=32, epochs=4, verbose=0, shuffle=False,
+                  callbacks=[pruning, backup, spy, *extra])  # fmt: skip
+        return model, pruning, spy
+
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _, first, first_spy = run([Interrupt()])
+    _, pruning, spy = run([])
+    assert [h["step"] for h in pruning.history] == [25, 35]
+    pattern = {p: w == 0 for p, w in spy.seen[0].items()}  # after step 20
+    zeros = np.mean(np.concatenate([z.ravel() for z in pattern.values()]))
+    assert zeros == pytest.approx(schedule(15)[1], abs=0.01) and zeros > 0.3
+    for seen in spy.seen:
+        for p, z in pattern.items():
+            assert np.all(seen[p][z] == 0.0)
+
+
+def test_initial_epoch_resume_after_load(digits, tmp_path):
+    (x, y), _ = digits
+    schedule = kp.PolynomialDecay(0.0, 0.6, begin_step=0, end_step=30, frequency=10)
+    model = compile_(mlp())
+    with pytest.warns(kp.KerasPerfWarning, match="end_step=30 lies beyond"):  # steps 0-19
+        model.fit(x[:320], y[:320], batch_size=32, epochs=2, verbose=0,
+                  callbacks=[kp.PruningCallback(schedule)])  # fmt: skip
+    path = str(tmp_path / "mid.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    cb = kp.PruningCallback(schedule)
+    history = loaded.fit(
+        x[:320], y[:320], batch_size=32, epochs=4, initial_epoch=2, verbose=0, callbacks=[cb]
+    )  # fmt: skip  steps 20-39
+    assert [h["step"] for h in cb.history] == [20, 30]
+    assert history.history["sparsity"][-1] == pytest.approx(0.6, abs=0.01)
+    assert kp.sparsity_report(loaded)["total"]["sparsity"] == pytest.approx(0.6, abs=0.01)
+
+
+@pytest.mark.parametrize(
+    "make, error, match",
+    [
+        (lambda: kp.ConstantSparsity(float("nan")), ValueError, "target_sparsity"),
+        (lambda: kp.PolynomialDecay(0.0, 0.5, 0, 10, power=float("nan")), ValueError, "power"),
+        (lambda: kp.PolynomialDecay(0.0, 0.5, 0, 10, power=0), ValueError, r"power.*\(0\.0, inf\)"),
+        (lambda: kp.PolynomialDecay(0.0, 0.5, 0, 10, frequency=0), ValueError, "frequency"),
+        (lambda: kp.PolynomialDecay(0.0, 0.5, 0, 10, frequency=2.0), TypeError, "frequency"),
+        (lambda: kp.ConstantSparsity(0.5, 0, end_step=-2), ValueError, "end_step"),
+    ],
+)
+def test_more_schedule_bad_arguments(make, error, match):
+    with pytest.raises(error, match=match):
+        make()

@@ -100,7 +100,7 @@ def test_stopping_threshold_min_and_max():
     es = kp.EarlyStopping(patience=10, stopping_threshold=0.2, restore_best_weights=True)
     assert drive(es, [1.0, 0.5, 0.2, 0.1]) == (2, 2.0)
     assert (es.stop_reason, es.stopped_epoch, es.best, es.best_epoch) == ("threshold", 2, 0.2, 2)
-    es = kp.EarlyStopping("val_accuracy", patience=10, stopping_threshold=0.9)
+    es = kp.EarlyStopping("val_accuracy", patience=10, mode="max", stopping_threshold=0.9)
     assert drive(es, [0.5, 0.89, 0.91, 0.95], key="val_accuracy")[0] == 2
     assert es.stop_reason == "threshold"
 
@@ -120,18 +120,25 @@ def test_divergence_restores_the_best_epoch():
     ],
 )
 def test_non_finite_stops_and_never_becomes_best(values, losses, stop):
-    es = kp.EarlyStopping(patience=10, restore_best_weights=True)
+    es = kp.EarlyStopping(patience=10, restore_best_weights=True, check_finite=True)
     last, weight = drive(es, values, losses=losses)
     assert (last, es.stop_reason, es.stopped_epoch) == (stop, "non_finite", stop)
     assert math.isfinite(es.best) and weight == es.best_epoch == stop - 1
 
 
-def test_check_finite_off_behaves_like_keras_on_nan():
+def test_defaults_behave_like_keras_on_nan_and_inf():
+    # Regression: check_finite used to default to True, stopping at the NaN where Keras trains
+    # on (and watching `loss` too while monitoring `val_loss`).
     values = [1.0, 0.5, math.nan, 0.6, 0.7]
-    ours = kp.EarlyStopping(patience=2, check_finite=False)
+    ours = kp.EarlyStopping(patience=2)
     theirs = keras.callbacks.EarlyStopping(patience=2)
     assert drive(ours, values) == drive(theirs, values) == (3, 3.0)
-    assert ours.stop_reason == "patience"
+    assert ours.stop_reason == "patience" and ours.check_finite is False
+    losses = [1.0, math.nan, math.inf, 1.0, 1.0, 1.0]
+    values = [3.0, 2.0, 1.0, 0.5, 0.4, 0.3]
+    ours, theirs = kp.EarlyStopping(), keras.callbacks.EarlyStopping()
+    assert drive(ours, values, losses=losses) == drive(theirs, values, losses=losses) == (5, 5.0)
+    assert ours.stop_reason is None and ours.best == 0.3
 
 
 def test_relative_delta():
@@ -146,18 +153,19 @@ def test_relative_delta():
 def test_thresholds_wait_for_start_from_epoch_but_non_finite_does_not():
     es = kp.EarlyStopping(stopping_threshold=0.5, start_from_epoch=3, patience=5)
     assert drive(es, [0.1, 0.2, 0.3, 0.4, 0.9])[0] == 3
-    es = kp.EarlyStopping(start_from_epoch=3)
+    es = kp.EarlyStopping(start_from_epoch=3, check_finite=True)
     assert drive(es, [0.1, math.nan, 0.3, 0.4])[0] == 1 and es.stop_reason == "non_finite"
 
 
 def test_missing_key_warns_once_naming_the_keys():
-    es = kp.EarlyStopping(monitor="val_los", patience=0)
+    # (In mode="auto" a misspelt monitor raises at the first epoch, as in Keras.)
+    es = kp.EarlyStopping(monitor="val_los", patience=0, mode="min")
     with pytest.warns(kp.KerasPerfWarning, match=r"`val_los`.*Keys available: loss, val_loss") as rec:
         assert drive(es, [3.0, 2.0, 1.0], key="val_loss") == (2, 2.0)
     assert len([w for w in rec if issubclass(w.category, kp.KerasPerfWarning)]) == 1
     assert es.stop_reason is None
     with pytest.raises(KeyError, match=r"`val_los`.*Keys available: loss, val_loss"):
-        drive(kp.EarlyStopping(monitor="val_los", strict=True), [3.0], key="val_loss")
+        drive(kp.EarlyStopping(monitor="val_los", mode="min", strict=True), [3.0], key="val_loss")
 
 
 def test_state_dict_resume_equals_uninterrupted_and_instance_is_reusable():
@@ -219,9 +227,10 @@ def test_serialization_round_trip():
          r"must not be lower than `baseline`"),
         (dict(mode="max", monitor="acc", divergence_threshold=0.6, baseline=0.5), ValueError,
          r"`divergence_threshold` \(0.6\) must be lower than `baseline`"),
-        # mode="auto" reads the direction from the name: accuracy goes up.
-        (dict(monitor="val_accuracy", stopping_threshold=0.4, baseline=0.5), ValueError,
-         r"in mode 'max'"),
+        # mode="auto" on a loss: the direction is known at construction.
+        (dict(monitor="loss", stopping_threshold=0.6, baseline=0.5), ValueError,
+         r"in mode 'min'"),
+        (dict(backup_dir=""), ValueError, r"`backup_dir` must be a directory path or None"),
         (dict(strict=1), TypeError, r"`strict` must be True or False"),
     ],
 )
@@ -231,9 +240,21 @@ def test_early_stopping_bad_arguments(kwargs, error, match):
 
 
 def test_unknown_direction_is_checked_at_first_epoch():
-    es = kp.EarlyStopping(monitor="val_score", stopping_threshold=0.4, baseline=0.5)
-    with pytest.raises(ValueError, match=r"cannot tell whether `val_score`.*mode='max'"):
-        drive(es, [0.1], key="val_score")
+    # As Keras: in mode="auto" only `loss` and compiled metrics that declare a direction are
+    # known; anything else raises at the first epoch (even when the key is missing).
+    for monitor in ("val_score", "val_accuracy"):
+        es = kp.EarlyStopping(monitor=monitor, stopping_threshold=0.4, baseline=0.5)
+        with pytest.raises(ValueError, match=rf"monitor={monitor}, but Keras isn't able.*mode='max'"):
+            drive(es, [0.1], key=monitor)
+        with pytest.raises(ValueError, match=r"isn't able to automatically determine"):
+            drive(keras.callbacks.EarlyStopping(monitor=monitor), [0.1], key=monitor)
+    # With the direction known at the first epoch (the compiled metric says "up"), the
+    # arguments are checked against it before any decision.
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2)])
+    model.compile("sgd", "sparse_categorical_crossentropy", metrics=["accuracy"])
+    es = kp.EarlyStopping(monitor="accuracy", stopping_threshold=0.4, baseline=0.5)
+    with pytest.raises(ValueError, match=r"must not be lower than `baseline` \(0.5\) in mode 'max'"):
+        model.fit(np.ones((4, 2)), np.zeros(4), epochs=1, callbacks=[es], verbose=0)
 
 
 @pytest.mark.parametrize(
@@ -406,7 +427,8 @@ def test_fit_non_finite_restores_finite_weights(data):
     x, y, xv, yv = data
     model = _regression()
     rec = Record()
-    es = kp.EarlyStopping(monitor="val_loss", patience=50, restore_best_weights=True)
+    es = kp.EarlyStopping(monitor="val_loss", patience=50, restore_best_weights=True,
+                          check_finite=True)
     hist = model.fit(x, y.astype("float32"), validation_data=(xv, yv.astype("float32")),
                      batch_size=32, epochs=20, shuffle=False, callbacks=[BLOW_UP, rec, es], verbose=0)
     losses = hist.history["loss"]

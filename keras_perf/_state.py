@@ -149,16 +149,18 @@ class CallbackStateStore:
         """
         states = self.read_states()
         self._states = []
-        backup_epoch = read_backup_epoch(self.backup_dir)
-        latest = max((s["epoch"] for s in states), default=None)
-        if backup_epoch is None or backup_epoch == 0:
-            if states and latest >= 0:
+        # No checkpoint: the fit starts at epoch 0 (a state of epoch 0 may be there when this
+        # callback saved it and BackupAndRestore, listed after it, did not).
+        backup_epoch = read_backup_epoch(self.backup_dir) or 0
+        latest = max((s["epoch"] for s in states), default=-1)
+        by_epoch = {s["epoch"]: s for s in states}
+        if backup_epoch == 0:
+            if latest > 0:
                 self._warn_stale(
                     f"there is no BackupAndRestore checkpoint to resume from in "
                     f"{self.backup_dir!r}, so the state (epoch {latest + 1}) is from another run"
                 )
             return None
-        by_epoch = {s["epoch"]: s for s in states}
         if backup_epoch - 1 in by_epoch:
             chosen = by_epoch[backup_epoch - 1]
         elif latest == backup_epoch - 2 and by_epoch[latest].get("checkpoint"):
@@ -174,8 +176,25 @@ class CallbackStateStore:
             return None
         self._states = [s for s in states if s["epoch"] <= chosen["epoch"]]
         if chosen.get("stop_training") and epochs is not None:
-            model._initial_epoch = epochs  # the run had stopped: train no further epoch
+            self._skip_to(model, epochs)
         return dict(chosen)
+
+    def _skip_to(self, model, epochs: int) -> None:
+        """The run had stopped after the resumed epoch: train no further epoch.
+
+        Sets the start epoch to `epochs`, on the model (when `BackupAndRestore`'s
+        `on_train_begin` ran before ours) and in its metadata file (when it runs after ours
+        and would set it back).
+        """
+        model._initial_epoch = epochs
+        path = os.path.join(self.backup_dir, BACKUP_METADATA)
+        if os.path.exists(path):
+            with open(path) as f:
+                meta = json.load(f)
+            meta["epoch"] = max(int(meta.get("epoch", 0)), epochs)
+            with open(path + ".tmp", "w") as f:
+                json.dump(meta, f)
+            os.replace(path + ".tmp", path)
 
     def _roll_back(self, model, state: dict) -> None:
         path = self._file(state["checkpoint"])

@@ -214,8 +214,10 @@ class CallbackStateStore:
         model._initial_epoch = state["epoch"] + 1
 
     def _warn_stale(self, why: str) -> None:
-        warn(f"{self.owner} ignores the saved state {self.path!r}: {why}. It starts afresh.",
-             stacklevel=5)
+        warn(
+            f"{self.owner} ignores the saved state {self.path!r}: {why}. It starts afresh.",
+            stacklevel=5,
+        )
 
     # ------------------------------------------------------------------------ writing
     def save(self, state: dict, best_weights, model=None) -> None:
@@ -240,8 +242,10 @@ class CallbackStateStore:
         previous = next((s for s in reversed(self._states) if s["epoch"] < epoch), None)
         if best_weights is not None:
             name = f"{self.name}_best_{state.get('best_epoch', 0)}.npz"
-            if previous is None or previous.get("best_weights_file") != name or not os.path.exists(
-                self._file(name)
+            if (
+                previous is None
+                or previous.get("best_weights_file") != name
+                or not os.path.exists(self._file(name))
             ):
                 tmp = self._file(name + ".tmp.npz")
                 np.savez(tmp, *best_weights)

@@ -104,7 +104,9 @@ class _MonitoringCallback(keras.callbacks.Callback):
     ):
         super().__init__()
         if not isinstance(monitor, str) or not monitor:
-            raise TypeError(f"`monitor` must be a non-empty string such as 'val_loss', got {monitor!r}.")
+            raise TypeError(
+                f"`monitor` must be a non-empty string such as 'val_loss', got {monitor!r}."
+            )
         if not isinstance(mode, str):
             raise TypeError(f"`mode` must be one of {MODES}, got {mode!r}.")
         check_choice("mode", mode, MODES)
@@ -176,7 +178,9 @@ class _MonitoringCallback(keras.callbacks.Callback):
             TypeError: `state` is not a dict.
         """
         if not isinstance(state, dict):
-            raise TypeError(f"`state` must be a dict from `state_dict()`, got {type(state).__name__}.")
+            raise TypeError(
+                f"`state` must be a dict from `state_dict()`, got {type(state).__name__}."
+            )
         self._apply_state(state)
         self._pending_state = state
 
@@ -288,10 +292,14 @@ class _MonitoringCallback(keras.callbacks.Callback):
 
     def on_train_end(self, logs=None):
         if self.stop_reason is not None and self.verbose > 0:
-            print(f"Epoch {self.stopped_epoch + 1}: {type(self).__name__} stopped training ({self.stop_reason}).")
+            print(
+                f"Epoch {self.stopped_epoch + 1}: {type(self).__name__} stopped training ({self.stop_reason})."
+            )
         if self.restore_best_weights and self.best_weights is not None:
             if self.verbose > 0:
-                print(f"Restoring model weights from the end of the best epoch: {self.best_epoch + 1}.")
+                print(
+                    f"Restoring model weights from the end of the best epoch: {self.best_epoch + 1}."
+                )
             self.model.set_weights(self.best_weights)
         if self._store is not None:
             # Training finished (not interrupted): the state must not leak into the next fit.
@@ -467,20 +475,38 @@ class EarlyStopping(_MonitoringCallback):
         backup_dir: str | None = None,
     ):
         # Keras stores abs(min_delta) and negates it when the direction turns out to be "min".
-        self.min_delta = check_number("min_delta", min_delta, low=0.0, high=math.inf, high_inclusive=False)
+        self.min_delta = check_number(
+            "min_delta", min_delta, low=0.0, high=math.inf, high_inclusive=False
+        )
         self.patience = check_int("patience", patience, minimum=0)
-        self.baseline = check_number("baseline", baseline, low=-math.inf, high=math.inf,
-                                     low_inclusive=False, high_inclusive=False, allow_none=True)
+        self.baseline = check_number(
+            "baseline",
+            baseline,
+            low=-math.inf,
+            high=math.inf,
+            low_inclusive=False,
+            high_inclusive=False,
+            allow_none=True,
+        )
         self.start_from_epoch = check_int("start_from_epoch", start_from_epoch, minimum=0)
         self.relative_delta = check_bool("relative_delta", relative_delta)
-        finite = {"low": -math.inf, "high": math.inf, "low_inclusive": False,
-                  "high_inclusive": False, "allow_none": True}
+        finite = {
+            "low": -math.inf,
+            "high": math.inf,
+            "low_inclusive": False,
+            "high_inclusive": False,
+            "allow_none": True,
+        }
         self.stopping_threshold = check_number("stopping_threshold", stopping_threshold, **finite)
-        self.divergence_threshold = check_number("divergence_threshold", divergence_threshold, **finite)
+        self.divergence_threshold = check_number(
+            "divergence_threshold", divergence_threshold, **finite
+        )
         self.check_finite = check_bool("check_finite", check_finite)
         self.wait = 0
         super().__init__(monitor, mode, restore_best_weights, verbose, strict, backup_dir)
-        known = mode if mode != "auto" else ("min" if monitor.removeprefix("val_") == "loss" else None)
+        known = (
+            mode if mode != "auto" else ("min" if monitor.removeprefix("val_") == "loss" else None)
+        )
         if known is not None:
             self._check_direction(known)
 
@@ -543,12 +569,16 @@ class EarlyStopping(_MonitoringCallback):
         if current is not None and not math.isfinite(current):
             return True
         loss = logs.get("loss")
-        return loss is not None and self.monitor != "loss" and not math.isfinite(self._scalar_of(loss))
+        return (
+            loss is not None and self.monitor != "loss" and not math.isfinite(self._scalar_of(loss))
+        )
 
     @staticmethod
     def _scalar_of(value) -> float:
         try:
-            return float(np.asarray(keras.ops.convert_to_numpy(value), dtype="float64").reshape(-1)[0])
+            return float(
+                np.asarray(keras.ops.convert_to_numpy(value), dtype="float64").reshape(-1)[0]
+            )
         except (TypeError, ValueError, IndexError):
             return 0.0
 
@@ -568,11 +598,15 @@ class EarlyStopping(_MonitoringCallback):
             # Only restart wait if we beat both the baseline and our previous best.
             if self.baseline is None or self._is_improvement(current, self.baseline):
                 self.wait = 0
-        if self.stopping_threshold is not None and not self._better(self.stopping_threshold, current):
+        if self.stopping_threshold is not None and not self._better(
+            self.stopping_threshold, current
+        ):
             if current == current:  # NaN never reaches the threshold
                 return "threshold"
         # Not better than the divergence threshold: worse, equal, or NaN.
-        if self.divergence_threshold is not None and not self._better(current, self.divergence_threshold):
+        if self.divergence_threshold is not None and not self._better(
+            current, self.divergence_threshold
+        ):
             return "divergence"
         if not improved and self.wait >= self.patience and epoch > 0:
             return "patience"
@@ -642,8 +676,12 @@ class TimeLimit(_MonitoringCallback):
         True
     """
 
-    _STATE_KEYS = _MonitoringCallback._STATE_KEYS + ("elapsed", "epoch_times", "tail_times",
-                                                     "max_batch_time")
+    _STATE_KEYS = _MonitoringCallback._STATE_KEYS + (
+        "elapsed",
+        "epoch_times",
+        "tail_times",
+        "max_batch_time",
+    )
 
     def __init__(
         self,
@@ -656,8 +694,9 @@ class TimeLimit(_MonitoringCallback):
         strict: bool = False,
         backup_dir: str | None = None,
     ):
-        self.seconds = check_number("seconds", seconds, low=0.0, high=math.inf,
-                                    low_inclusive=False, high_inclusive=False)
+        self.seconds = check_number(
+            "seconds", seconds, low=0.0, high=math.inf, low_inclusive=False, high_inclusive=False
+        )
         if not isinstance(granularity, str):
             raise TypeError(f"`granularity` must be one of {GRANULARITIES}, got {granularity!r}.")
         self.granularity = check_choice("granularity", granularity, GRANULARITIES)
@@ -685,8 +724,10 @@ class TimeLimit(_MonitoringCallback):
         # worker leave an epoch the others are still in, so they decide per epoch only.
         self._multi_worker = _backend.is_multi_worker(self.model)
         if self._multi_worker and self.granularity == "batch":
-            warn("TimeLimit(granularity='batch') checks per epoch under a multi-worker strategy, "
-                 "so that every worker stops after the same epoch.")
+            warn(
+                "TimeLimit(granularity='batch') checks per epoch under a multi-worker strategy, "
+                "so that every worker stops after the same epoch."
+            )
 
     def _apply_state(self, state: dict) -> None:
         super()._apply_state(state)

@@ -160,7 +160,9 @@ def test_thresholds_wait_for_start_from_epoch_but_non_finite_does_not():
 def test_missing_key_warns_once_naming_the_keys():
     # (In mode="auto" a misspelt monitor raises at the first epoch, as in Keras.)
     es = kp.EarlyStopping(monitor="val_los", patience=0, mode="min")
-    with pytest.warns(kp.KerasPerfWarning, match=r"`val_los`.*Keys available: loss, val_loss") as rec:
+    with pytest.warns(
+        kp.KerasPerfWarning, match=r"`val_los`.*Keys available: loss, val_loss"
+    ) as rec:
         assert drive(es, [3.0, 2.0, 1.0], key="val_loss") == (2, 2.0)
     assert len([w for w in rec if issubclass(w.category, kp.KerasPerfWarning)]) == 1
     assert es.stop_reason is None
@@ -196,11 +198,30 @@ def test_state_dict_resume_equals_uninterrupted_and_instance_is_reusable():
 
 
 def test_serialization_round_trip():
-    es = kp.EarlyStopping("val_accuracy", 0.01, 2, 1, "max", 0.5, True, 1, relative_delta=True,
-                          stopping_threshold=0.99, divergence_threshold=0.1, check_finite=False,
-                          strict=True, backup_dir="ckpt")
-    tl = kp.TimeLimit(3600, restore_best_weights=True, monitor="loss", mode="min",
-                      granularity="batch", backup_dir="ckpt")
+    es = kp.EarlyStopping(
+        "val_accuracy",
+        0.01,
+        2,
+        1,
+        "max",
+        0.5,
+        True,
+        1,
+        relative_delta=True,
+        stopping_threshold=0.99,
+        divergence_threshold=0.1,
+        check_finite=False,
+        strict=True,
+        backup_dir="ckpt",
+    )
+    tl = kp.TimeLimit(
+        3600,
+        restore_best_weights=True,
+        monitor="loss",
+        mode="min",
+        granularity="batch",
+        backup_dir="ckpt",
+    )
     for cb in (es, tl):
         clone = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(cb))
         assert type(clone) is type(cb) and clone.get_config() == cb.get_config()
@@ -217,19 +238,33 @@ def test_serialization_round_trip():
         (dict(start_from_epoch=-2), ValueError, r"`start_from_epoch` must be an integer >= 0"),
         (dict(stopping_threshold=math.nan), ValueError, r"`stopping_threshold` must be in"),
         (dict(monitor=""), TypeError, r"`monitor` must be a non-empty string"),
-        (dict(mode="min", stopping_threshold=1.0, baseline=0.5), ValueError,
-         r"`stopping_threshold` \(1.0\) must not be higher than `baseline` \(0.5\)"),
-        (dict(mode="min", divergence_threshold=0.4, baseline=0.5), ValueError,
-         r"`divergence_threshold` \(0.4\) must be higher than `baseline`"),
-        (dict(mode="min", stopping_threshold=2.0, divergence_threshold=1.0), ValueError,
-         r"`stopping_threshold` \(2.0\) must be lower than `divergence_threshold` \(1.0\)"),
-        (dict(mode="max", monitor="acc", stopping_threshold=0.4, baseline=0.5), ValueError,
-         r"must not be lower than `baseline`"),
-        (dict(mode="max", monitor="acc", divergence_threshold=0.6, baseline=0.5), ValueError,
-         r"`divergence_threshold` \(0.6\) must be lower than `baseline`"),
+        (
+            dict(mode="min", stopping_threshold=1.0, baseline=0.5),
+            ValueError,
+            r"`stopping_threshold` \(1.0\) must not be higher than `baseline` \(0.5\)",
+        ),
+        (
+            dict(mode="min", divergence_threshold=0.4, baseline=0.5),
+            ValueError,
+            r"`divergence_threshold` \(0.4\) must be higher than `baseline`",
+        ),
+        (
+            dict(mode="min", stopping_threshold=2.0, divergence_threshold=1.0),
+            ValueError,
+            r"`stopping_threshold` \(2.0\) must be lower than `divergence_threshold` \(1.0\)",
+        ),
+        (
+            dict(mode="max", monitor="acc", stopping_threshold=0.4, baseline=0.5),
+            ValueError,
+            r"must not be lower than `baseline`",
+        ),
+        (
+            dict(mode="max", monitor="acc", divergence_threshold=0.6, baseline=0.5),
+            ValueError,
+            r"`divergence_threshold` \(0.6\) must be lower than `baseline`",
+        ),
         # mode="auto" on a loss: the direction is known at construction.
-        (dict(monitor="loss", stopping_threshold=0.6, baseline=0.5), ValueError,
-         r"in mode 'min'"),
+        (dict(monitor="loss", stopping_threshold=0.6, baseline=0.5), ValueError, r"in mode 'min'"),
         (dict(backup_dir=""), ValueError, r"`backup_dir` must be a directory path or None"),
         (dict(strict=1), TypeError, r"`strict` must be True or False"),
     ],
@@ -244,7 +279,9 @@ def test_unknown_direction_is_checked_at_first_epoch():
     # known; anything else raises at the first epoch (even when the key is missing).
     for monitor in ("val_score", "val_accuracy"):
         es = kp.EarlyStopping(monitor=monitor, stopping_threshold=0.4, baseline=0.5)
-        with pytest.raises(ValueError, match=rf"monitor={monitor}, but Keras isn't able.*mode='max'"):
+        with pytest.raises(
+            ValueError, match=rf"monitor={monitor}, but Keras isn't able.*mode='max'"
+        ):
             drive(es, [0.1], key=monitor)
         with pytest.raises(ValueError, match=r"isn't able to automatically determine"):
             drive(keras.callbacks.EarlyStopping(monitor=monitor), [0.1], key=monitor)
@@ -253,7 +290,9 @@ def test_unknown_direction_is_checked_at_first_epoch():
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2)])
     model.compile("sgd", "sparse_categorical_crossentropy", metrics=["accuracy"])
     es = kp.EarlyStopping(monitor="accuracy", stopping_threshold=0.4, baseline=0.5)
-    with pytest.raises(ValueError, match=r"must not be lower than `baseline` \(0.5\) in mode 'max'"):
+    with pytest.raises(
+        ValueError, match=r"must not be lower than `baseline` \(0.5\) in mode 'max'"
+    ):
         model.fit(np.ones((4, 2)), np.zeros(4), epochs=1, callbacks=[es], verbose=0)
 
 
@@ -263,7 +302,11 @@ def test_unknown_direction_is_checked_at_first_epoch():
         (dict(seconds=0), ValueError, r"`seconds` must be in \(0.0, inf\), got 0.0"),
         (dict(seconds=-5), ValueError, r"`seconds` must be in \(0.0, inf\)"),
         (dict(seconds="1h"), TypeError, r"`seconds` must be a number"),
-        (dict(seconds=10, granularity="step"), ValueError, r"`granularity` must be one of 'epoch', 'batch'"),
+        (
+            dict(seconds=10, granularity="step"),
+            ValueError,
+            r"`granularity` must be one of 'epoch', 'batch'",
+        ),
         (dict(seconds=10, mode="up"), ValueError, r"`mode` must be one of"),
     ],
 )
@@ -368,8 +411,9 @@ def _model(lr=0.05, optimizer="sgd"):
         [keras.Input((64,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(10)]
     )
     opt = keras.optimizers.SGD(lr) if optimizer == "sgd" else keras.optimizers.Adam(lr)
-    model.compile(opt, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
+    model.compile(
+        opt, keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"]
+    )
     return model
 
 
@@ -393,8 +437,16 @@ def test_fit_parity_with_keras_restored_weights(data):
     for cls in (kp.EarlyStopping, keras.callbacks.EarlyStopping):
         model = _model(lr=1.0)
         es = cls(monitor="val_loss", patience=1, min_delta=0.002, restore_best_weights=True)
-        hist = model.fit(x, y, validation_data=(xv, yv), batch_size=128, epochs=25, shuffle=False,
-                         callbacks=[es], verbose=0)
+        hist = model.fit(
+            x,
+            y,
+            validation_data=(xv, yv),
+            batch_size=128,
+            epochs=25,
+            shuffle=False,
+            callbacks=[es],
+            verbose=0,
+        )
         runs.append((len(hist.history["loss"]), es.best_epoch, model.get_weights()))
     assert runs[0][:2] == runs[1][:2]
     assert runs[0][0] < 25  # it did stop early
@@ -405,8 +457,9 @@ def test_fit_threshold_on_val_accuracy_infers_max(data):
     x, y, xv, yv = data
     model = _model(lr=0.5)
     es = kp.EarlyStopping("val_accuracy", stopping_threshold=0.8, patience=50)
-    hist = model.fit(x, y, validation_data=(xv, yv), batch_size=128, epochs=40, callbacks=[es],
-                     verbose=0)
+    hist = model.fit(
+        x, y, validation_data=(xv, yv), batch_size=128, epochs=40, callbacks=[es], verbose=0
+    )
     acc = hist.history["val_accuracy"]
     assert es.stop_reason == "threshold" and es.stopped_epoch == len(acc) - 1
     assert acc[-1] >= 0.8 and all(a < 0.8 for a in acc[:-1])
@@ -427,10 +480,19 @@ def test_fit_non_finite_restores_finite_weights(data):
     x, y, xv, yv = data
     model = _regression()
     rec = Record()
-    es = kp.EarlyStopping(monitor="val_loss", patience=50, restore_best_weights=True,
-                          check_finite=True)
-    hist = model.fit(x, y.astype("float32"), validation_data=(xv, yv.astype("float32")),
-                     batch_size=32, epochs=20, shuffle=False, callbacks=[BLOW_UP, rec, es], verbose=0)
+    es = kp.EarlyStopping(
+        monitor="val_loss", patience=50, restore_best_weights=True, check_finite=True
+    )
+    hist = model.fit(
+        x,
+        y.astype("float32"),
+        validation_data=(xv, yv.astype("float32")),
+        batch_size=32,
+        epochs=20,
+        shuffle=False,
+        callbacks=[BLOW_UP, rec, es],
+        verbose=0,
+    )
     losses = hist.history["loss"]
     assert es.stop_reason == "non_finite" and len(losses) == 4 and not math.isfinite(losses[-1])
     assert es.best_epoch == 2 and es.best == hist.history["val_loss"][2]
@@ -443,8 +505,15 @@ def test_fit_divergence_with_check_finite_off(data):
     x, y, _, _ = data
     model = _regression()
     es = kp.EarlyStopping("loss", divergence_threshold=100.0, check_finite=False, patience=50)
-    hist = model.fit(x, y.astype("float32"), batch_size=32, epochs=20, shuffle=False,
-                     callbacks=[BLOW_UP, es], verbose=0)
+    hist = model.fit(
+        x,
+        y.astype("float32"),
+        batch_size=32,
+        epochs=20,
+        shuffle=False,
+        callbacks=[BLOW_UP, es],
+        verbose=0,
+    )
     losses = hist.history["loss"]
     assert es.stop_reason == "divergence" and es.stopped_epoch == 3 and len(losses) == 4
     assert max(losses[:3]) < 100.0 and not losses[3] < 100.0  # >= 100 or NaN
@@ -473,7 +542,18 @@ class Interrupt(keras.callbacks.Callback):
 
 def test_interrupt_and_resume_with_backup_and_restore(data, tmp_path):
     x, y, _, _ = data
-    script = [5.0, 4.0, 3.0, 3.5, 2.9, 3.1, 3.2, 3.3, 3.4, 3.5]  # best at 4; patience 2 -> stop at 6
+    script = [
+        5.0,
+        4.0,
+        3.0,
+        3.5,
+        2.9,
+        3.1,
+        3.2,
+        3.3,
+        3.4,
+        3.5,
+    ]  # best at 4; patience 2 -> stop at 6
     backup = str(tmp_path / "backup")
 
     def fit(model, es, extra=()):
@@ -565,7 +645,9 @@ def test_fit_time_limit_batch_granularity_ends_mid_epoch(data):
             steps[-1] += 1
 
     t0 = time.perf_counter()
-    model.fit(x, y, batch_size=16, epochs=5, callbacks=[Sleep(batch_s=0.05), Steps(), tl], verbose=0)
+    model.fit(
+        x, y, batch_size=16, epochs=5, callbacks=[Sleep(batch_s=0.05), Steps(), tl], verbose=0
+    )
     wall = time.perf_counter() - t0
     # 32 batches of >= 50 ms: the first epoch alone would overrun 1 s; it ends early instead.
     assert tl.stop_reason == "time_limit" and tl.stopped_epoch == 0
@@ -607,8 +689,14 @@ def test_tf_distribute_replicas_share_the_decision():
                           "eval": float(model.evaluate(x[1437:], y[1437:], verbose=0))}))
         """
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT,
-                         timeout=240, env={**os.environ, "PYTHONPATH": ROOT})
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=240,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["replicas"] == 2 and result["replicas_equal"]

@@ -58,11 +58,18 @@ VALUES = st.one_of(
 ARGS = st.fixed_dictionaries(
     {
         "key_mode": st.sampled_from(
-            [("val_loss", "auto"), ("loss", "auto"), ("val_loss", "min"), ("val_loss", "max"),
-             ("val_accuracy", "max"), ("val_accuracy", "min")]
+            [
+                ("val_loss", "auto"),
+                ("loss", "auto"),
+                ("val_loss", "min"),
+                ("val_loss", "max"),
+                ("val_accuracy", "max"),
+                ("val_accuracy", "min"),
+            ]
         ),
-        "min_delta": st.one_of(st.just(0.0), st.sampled_from([0.25, 1e-3]),
-                               st.floats(0, 2, allow_nan=False)),
+        "min_delta": st.one_of(
+            st.just(0.0), st.sampled_from([0.25, 1e-3]), st.floats(0, 2, allow_nan=False)
+        ),
         "patience": st.integers(0, 4),
         "baseline": st.one_of(st.none(), st.floats(-3, 3, allow_nan=False)),
         "start_from_epoch": st.integers(0, 3),
@@ -79,11 +86,25 @@ def test_property_same_decisions_as_keras(values, args):
     ours = kp.EarlyStopping(monitor=key, mode=mode, **args)
     theirs = keras.callbacks.EarlyStopping(monitor=key, mode=mode, **args)
     # Keras' public attributes, before any fit.
-    for name in ("monitor", "mode", "patience", "baseline", "min_delta", "start_from_epoch",
-                 "restore_best_weights", "verbose", "monitor_op", "best_weights", "wait",
-                 "stopped_epoch"):
-        assert _same(getattr(ours, name), getattr(theirs, name)) if name in (
-            "min_delta", "baseline") else getattr(ours, name) == getattr(theirs, name), name
+    for name in (
+        "monitor",
+        "mode",
+        "patience",
+        "baseline",
+        "min_delta",
+        "start_from_epoch",
+        "restore_best_weights",
+        "verbose",
+        "monitor_op",
+        "best_weights",
+        "wait",
+        "stopped_epoch",
+    ):
+        assert (
+            _same(getattr(ours, name), getattr(theirs, name))
+            if name in ("min_delta", "baseline")
+            else getattr(ours, name) == getattr(theirs, name)
+        ), name
     try:
         want = run(theirs, values, _model(), key)
     except Exception as e:  # e.g. TF cannot compare a float64 beyond float32's range
@@ -125,8 +146,9 @@ def test_float32_ties_rank_as_in_keras():
 def test_one_element_arrays_work_like_keras(wrap):
     values = [0.5, 0.25, 0.375, 0.125, 0.25, 0.5, 0.625]
     ours = kp.EarlyStopping("val_f1", mode="max", patience=1, restore_best_weights=True)
-    theirs = keras.callbacks.EarlyStopping("val_f1", mode="max", patience=1,
-                                           restore_best_weights=True)
+    theirs = keras.callbacks.EarlyStopping(
+        "val_f1", mode="max", patience=1, restore_best_weights=True
+    )
     got = run(ours, [wrap(v) for v in values], _model(), "val_f1")
     assert got == run(theirs, values, _model(), "val_f1") == (1, 0.0)
     assert isinstance(ours.best, float) and ours.best == theirs.best == 0.5
@@ -145,8 +167,11 @@ def test_fit_with_one_class_f1_matches_keras():
     for cls in (kp.EarlyStopping, keras.callbacks.EarlyStopping):
         keras.utils.set_random_seed(0)
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1, activation="sigmoid")])
-        model.compile("sgd", "binary_crossentropy",
-                      metrics=[keras.metrics.F1Score(average=None, threshold=0.5)])
+        model.compile(
+            "sgd",
+            "binary_crossentropy",
+            metrics=[keras.metrics.F1Score(average=None, threshold=0.5)],
+        )
         es = cls("val_f1_score", mode="max", patience=1, restore_best_weights=True)
         hist = model.fit(x, y, validation_data=(x, y), epochs=8, callbacks=[es], verbose=0)
         # NumPy 2 refuses float() of a 1-element array: the logs hold an array of shape (1,).

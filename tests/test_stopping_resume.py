@@ -56,8 +56,9 @@ def _model():
 
 
 def _fit(model, callbacks, epochs=10):
-    return model.fit(X, Y, batch_size=16, epochs=epochs, shuffle=False, callbacks=callbacks,
-                     verbose=0)
+    return model.fit(
+        X, Y, batch_size=16, epochs=epochs, shuffle=False, callbacks=callbacks, verbose=0
+    )
 
 
 def _same(a, b):
@@ -178,8 +179,11 @@ def test_state_of_an_unrelated_run_is_ignored_with_a_warning(tmp_path):
         _fit(_model(), [Script(), _new_es(backup), Kill(5)])
     assert glob.glob(os.path.join(backup, "keras_perf_EarlyStopping_*.json"))
     model, es = _model(), _new_es(backup)
-    with pytest.warns(kp.KerasPerfWarning, match=r"ignores the saved state .*keras_perf_Early"
-                                                  r"Stopping.*no BackupAndRestore checkpoint"):
+    with pytest.warns(
+        kp.KerasPerfWarning,
+        match=r"ignores the saved state .*keras_perf_Early"
+        r"Stopping.*no BackupAndRestore checkpoint",
+    ):
         hist = _fit(model, [Script(), es])
     assert len(hist.history["loss"]) == 7 and (es.stopped_epoch, es.best_epoch) == (6, 4)
     ref = _model()

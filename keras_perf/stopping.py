@@ -1,20 +1,22 @@
 """Early stopping that users can rely on: Keras' rule plus thresholds, NaN checks, time limits.
 
-`EarlyStopping` is a drop-in for `keras.callbacks.EarlyStopping` (same arguments, defaults and
-stop epochs on the same logs) with the criteria PyTorch Lightning and Hugging Face users expect:
-a relative `min_delta`, a "good enough" threshold, a divergence threshold and a stop on
-NaN/Inf. `TimeLimit` ends training before a wall-clock budget runs out, estimating the next
-epoch's duration from the epochs so far.
+`EarlyStopping` is a drop-in for `keras.callbacks.EarlyStopping`: with Keras' arguments (the
+added ones left at their defaults) it takes the same decisions on the same logs, NaN and Inf
+included, and has Keras' public attributes. Opt-in additions give the criteria PyTorch
+Lightning and Hugging Face users expect: a relative `min_delta`, a "good enough" threshold, a
+divergence threshold and a stop on NaN/Inf. `TimeLimit` ends training before a wall-clock
+budget runs out, estimating the next epoch's duration from the epochs so far.
 
 Both callbacks
 
 - record why they stopped (`stop_reason`), where (`stopped_epoch`), and the best value and
-  epoch seen (`best`, `best_epoch`), and can restore the best weights whatever ended training;
+  epoch seen (`best`, `best_epoch`), and can restore the best weights;
 - warn once (or raise with `strict=True`) when the monitored key is missing, naming the keys
   that exist;
 - carry their state across an interruption: `state_dict()`/`load_state_dict()`, and, with
   `backup_dir=` set to the directory of a `keras.callbacks.BackupAndRestore`, they save that
-  state beside the backup after every epoch and reload it when the fit is resumed;
+  state beside the backup after every epoch and reload it when the fit is resumed
+  (`keras_perf._state`), whatever the order of the callbacks;
 - reset in `on_train_begin`, so one instance serves several fits.
 
 The decision is taken on the host from the epoch logs, which Keras has already reduced across
@@ -23,8 +25,10 @@ replicas under `tf.distribute`, so every replica (and every worker) takes the sa
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import numbers
 import os
 import re
 import time
@@ -33,6 +37,7 @@ import keras
 import numpy as np
 
 from keras_perf import backend as _backend
+from keras_perf._state import CallbackStateStore, check_backup_dir, read_backup_epoch
 from keras_perf._utils import check_bool, check_choice, check_int, check_number, warn
 
 __all__ = ["EarlyStopping", "TimeLimit"]
@@ -44,43 +49,33 @@ STOP_REASONS = ("patience", "threshold", "divergence", "non_finite", "time_limit
 # The clock every timing here reads; a module attribute so tests can drive it.
 _now = time.perf_counter
 
-# Name of the metadata file `keras.callbacks.BackupAndRestore` writes in its `backup_dir`
-# (checked with Keras 3.8-3.15). Read only to pick the saved state matching the resumed epoch;
-# when it is absent the latest saved state is used.
-_BACKUP_METADATA = "training_metadata.json"
-_STATE_FORMAT = 1
-
-_MAX_NAMES = ("acc", "accuracy", "auc", "precision", "recall", "f1", "iou", "map", "r2", "psnr")
-_MIN_NAMES = ("loss", "error", "mse", "mae", "mape", "msle", "rmse", "crossentropy", "hinge")
+# Keras' comparison functions: `monitor_op` is one of them, as in Keras (`keras.ops.less` for
+# "min", `keras.ops.greater` for "max"), and improvements are decided by calling it exactly as
+# Keras does, so the float32 rounding of the comparison is Keras' too.
+_LESS = keras.ops.less
+_GREATER = keras.ops.greater
 
 
-def _direction_from_name(monitor: str) -> str | None:
-    """"min"/"max" when the monitored name says it (`val_loss`, `accuracy`...), else None."""
-    name = monitor.removeprefix("val_").lower()
-    if name == "loss" or name.endswith("loss") or name.endswith("crossentropy"):
-        return "min"
-    for token in re.split(r"[^a-z0-9]+", name):
-        if token in _MAX_NAMES:
-            return "max"
-        if token in _MIN_NAMES:
-            return "min"
-    return None
+def _metric_direction(model, monitor: str):
+    """`monitor_op` for `monitor` as Keras' `MonitorCallback._set_monitor_op` finds it in "auto".
 
-
-def _metric_direction(model, monitor: str) -> str | None:
-    """The direction a compiled metric of `model` declares for `monitor`, if any."""
+    "loss" (after removing "val_") goes down; a compiled metric of that name that declares a
+    direction (`_direction`, Keras 3) decides; otherwise None. Like Keras, only the metrics
+    inside the compiled-metrics containers are looked at, and the last match wins.
+    """
     name = monitor.removeprefix("val_")
-    stack = list(getattr(model, "metrics", None) or [])
-    while stack:
-        metric = stack.pop()
-        # Keras wraps compiled metrics in containers that expose `.metrics`.
-        stack.extend(getattr(metric, "metrics", None) or [])
-        if getattr(metric, "name", None) == name:
-            # Keras metrics declare "up" or "down" in `_direction` (Keras 3.x).
-            direction = getattr(metric, "_direction", None)
-            if direction in ("up", "down"):
-                return "max" if direction == "up" else "min"
-    return None
+    op = _LESS if name == "loss" else None
+    if model is not None and hasattr(model, "metrics"):
+        found = []
+        for metric in model.metrics:
+            # keras.src.trainers.compile_utils.CompileMetrics / MetricsList (not imported:
+            # private); Keras expands exactly these two.
+            if type(metric).__name__ in ("CompileMetrics", "MetricsList"):
+                found.extend(metric.metrics)
+        for metric in found:
+            if getattr(metric, "name", None) == name and hasattr(metric, "_direction"):
+                op = _GREATER if metric._direction == "up" else _LESS
+    return op
 
 
 def _longest_after_first(times: list, longest_after_first: float) -> float:
@@ -93,7 +88,7 @@ def _longest_after_first(times: list, longest_after_first: float) -> float:
 class _MonitoringCallback(keras.callbacks.Callback):
     """Shared machinery: monitored value, direction, best weights, missing key, resumable state.
 
-    Not public. Subclasses call `_track_best` from `on_epoch_end` and set `stop_reason`.
+    Not public. Subclasses implement `on_epoch_end` and call `_persist(epoch)` at its end.
     """
 
     _STATE_KEYS: tuple[str, ...] = ("stopped_epoch", "best", "best_epoch", "stop_reason")
@@ -109,7 +104,9 @@ class _MonitoringCallback(keras.callbacks.Callback):
     ):
         super().__init__()
         if not isinstance(monitor, str) or not monitor:
-            raise TypeError(f"`monitor` must be a non-empty string such as 'val_loss', got {monitor!r}.")
+            raise TypeError(
+                f"`monitor` must be a non-empty string such as 'val_loss', got {monitor!r}."
+            )
         if not isinstance(mode, str):
             raise TypeError(f"`mode` must be one of {MODES}, got {mode!r}.")
         check_choice("mode", mode, MODES)
@@ -117,14 +114,19 @@ class _MonitoringCallback(keras.callbacks.Callback):
             verbose = int(verbose)
         if backup_dir is not None and not isinstance(backup_dir, (str, os.PathLike)):
             raise TypeError(f"`backup_dir` must be a path (str) or None, got {backup_dir!r}.")
+        if backup_dir is not None and not os.fspath(backup_dir):
+            raise ValueError("`backup_dir` must be a directory path or None, got ''.")
         self.monitor = monitor
         self.mode = mode
         self.restore_best_weights = check_bool("restore_best_weights", restore_best_weights)
         self.verbose = check_int("verbose", verbose, minimum=0)
         self.strict = check_bool("strict", strict)
         self.backup_dir = None if backup_dir is None else os.fspath(backup_dir)
-        self._direction = mode if mode != "auto" else None
+        # As Keras: set at the first `on_epoch_end` (the model's metrics are built by then)
+        # and kept across fits.
+        self.monitor_op = None
         self._pending_state = None
+        self._store = None
         self._reset()
 
     # ----------------------------------------------------------------------- state
@@ -136,7 +138,12 @@ class _MonitoringCallback(keras.callbacks.Callback):
         self.stop_reason = None
         self._last_epoch = None
         self._warned_missing = False
-        self._saved_best_file = None
+
+    @property
+    def _direction(self) -> str | None:
+        if self.monitor_op is None:
+            return None
+        return "min" if self.monitor_op is _LESS else "max"
 
     def state_dict(self) -> dict:
         """The callback's progress as a dict, to save with a checkpoint.
@@ -171,7 +178,9 @@ class _MonitoringCallback(keras.callbacks.Callback):
             TypeError: `state` is not a dict.
         """
         if not isinstance(state, dict):
-            raise TypeError(f"`state` must be a dict from `state_dict()`, got {type(state).__name__}.")
+            raise TypeError(
+                f"`state` must be a dict from `state_dict()`, got {type(state).__name__}."
+            )
         self._apply_state(state)
         self._pending_state = state
 
@@ -180,36 +189,43 @@ class _MonitoringCallback(keras.callbacks.Callback):
             if key in state:
                 setattr(self, key, state[key])
         self._last_epoch = state.get("epoch", self._last_epoch)
-        if self._direction is None:
-            self._direction = state.get("direction")
+        direction = state.get("direction")
+        if self.monitor_op is None and direction in ("min", "max"):
+            self._set_op(_LESS if direction == "min" else _GREATER)
         weights = state.get("best_weights")
         self.best_weights = None if weights is None else [np.asarray(w) for w in weights]
 
     # ------------------------------------------------------------- monitored value
-    def _resolve_direction(self) -> str:
-        if self._direction is None:
-            direction = _direction_from_name(self.monitor)
-            if direction is None or self.monitor.removeprefix("val_") != "loss":
-                direction = _metric_direction(self._model, self.monitor) or direction
-            if direction is None:
+    def _set_monitor_op(self) -> None:
+        """Keras' `MonitorCallback._set_monitor_op`: the direction from `mode` or the metric."""
+        if self.mode == "min":
+            op = _LESS
+        elif self.mode == "max":
+            op = _GREATER
+        else:
+            op = _metric_direction(self._model, self.monitor)
+            if op is None:
                 raise ValueError(
-                    f"{type(self).__name__} cannot tell whether `{self.monitor}` should go up "
-                    "or down. Pass `mode='max'` (accuracy-like) or `mode='min'` (loss-like)."
+                    f"{type(self).__name__} callback received monitor={self.monitor}, but Keras "
+                    "isn't able to automatically determine whether that metric should be "
+                    "maximized or minimized. Pass `mode='max'` in order to monitor based on the "
+                    "highest metric value, or pass `mode='min'` in order to use the lowest value."
                 )
-            self._direction = direction
-            self._check_direction(direction)
-        return self._direction
+        self._set_op(op)
+
+    def _set_op(self, op) -> None:
+        self.monitor_op = op
+        self._check_direction(self._direction)
 
     def _check_direction(self, direction: str) -> None:
         """Hook: validate direction-dependent arguments once the direction is known."""
 
-    def _better(self, a: float, b: float, delta: float = 0.0) -> bool:
-        """Whether `a` improves on `b` by more than `delta` (same arithmetic as Keras)."""
-        if self._direction == "min":
-            return a + delta < b
-        return a - delta > b
+    def _better(self, a: float, b: float) -> bool:
+        """Whether `a` is strictly better than `b` (float64; for the added criteria only)."""
+        return a < b if self._direction == "min" else a > b
 
     def _monitored_value(self, logs: dict) -> float | None:
+        """The monitored value as a float, or None (after a warning) when it is not logged."""
         value = logs.get(self.monitor)
         if value is None:
             message = (
@@ -223,13 +239,31 @@ class _MonitoringCallback(keras.callbacks.Callback):
                 self._warned_missing = True
                 warn(message, stacklevel=3)
             return None
-        return float(value)
+        return self._scalar(value)
 
-    def _keep_best(self, epoch: int, current: float) -> None:
-        self.best = current
-        self.best_epoch = epoch
-        if self.restore_best_weights:
-            self.best_weights = self.model.get_weights()
+    def _scalar(self, value) -> float:
+        """A logged value as a Python float, as Keras' `fit` passes it (`pythonify_logs`).
+
+        One-element arrays or tensors (`F1Score(average=None)` on one class; Lightning-style
+        `[[[0.3]]]`) are read as their element; more than one element is an error.
+        """
+        if isinstance(value, numbers.Real):
+            return float(value)
+        if keras.ops.is_tensor(value):
+            value = keras.ops.convert_to_numpy(value)
+        try:
+            array = np.asarray(value, dtype="float64")
+        except (TypeError, ValueError) as e:
+            raise TypeError(
+                f"{type(self).__name__}: `{self.monitor}` is logged as {value!r}, not a number."
+            ) from e
+        if array.size != 1:
+            raise ValueError(
+                f"{type(self).__name__}: `{self.monitor}` is logged as an array of shape "
+                f"{array.shape}; one number is needed. Monitor a scalar metric (for example "
+                "`F1Score(average='macro')`) or log one element under its own name."
+            )
+        return float(array.reshape(()))
 
     def _stop(self, epoch: int, reason: str) -> None:
         self.stop_reason = reason
@@ -239,102 +273,97 @@ class _MonitoringCallback(keras.callbacks.Callback):
     # -------------------------------------------------------------------- hooks
     def on_train_begin(self, logs=None):
         self._reset()
+        self._store = None
         self._begin_fit()
+        if self.backup_dir is not None:
+            # Checked before any training step: a bad path fails now, not after an epoch.
+            check_backup_dir(self.backup_dir, type(self).__name__)
+            self._store = CallbackStateStore(
+                self.backup_dir, self._state_name(), type(self).__name__
+            )
         if self._pending_state is not None:
             self._apply_state(self._pending_state)
             self._pending_state = None
-        elif self.backup_dir is not None:
-            self._load_backup()
+        elif self._store is not None:
+            self._resume_from_backup()
 
     def _begin_fit(self) -> None:
         """Hook: subclass resets at the start of each fit (before a backup is loaded)."""
 
     def on_train_end(self, logs=None):
         if self.stop_reason is not None and self.verbose > 0:
-            print(f"Epoch {self.stopped_epoch + 1}: {type(self).__name__} stopped training ({self.stop_reason}).")
+            print(
+                f"Epoch {self.stopped_epoch + 1}: {type(self).__name__} stopped training ({self.stop_reason})."
+            )
         if self.restore_best_weights and self.best_weights is not None:
             if self.verbose > 0:
-                print(f"Restoring model weights from the end of the best epoch: {self.best_epoch + 1}.")
+                print(
+                    f"Restoring model weights from the end of the best epoch: {self.best_epoch + 1}."
+                )
             self.model.set_weights(self.best_weights)
-        if self.backup_dir is not None:
+        if self._store is not None:
             # Training finished (not interrupted): the state must not leak into the next fit.
-            self._delete_backup()
+            self._store.delete()
 
     # ------------------------------------------------------------ backup on disk
-    def _backup_prefix(self) -> str:
+    def _decision_config(self) -> dict:
+        """The arguments that change decisions: a state saved with others is not ours."""
+        config = self.get_config()
+        for key in ("verbose", "strict", "backup_dir"):
+            config.pop(key, None)
+        return config
+
+    def _state_name(self) -> str:
         tag = re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{type(self).__name__}_{self.monitor}")
-        return os.path.join(self.backup_dir, f"keras_perf_{tag}")
+        digest = hashlib.sha1(json.dumps(self._decision_config(), sort_keys=True).encode())
+        return f"keras_perf_{tag}_{digest.hexdigest()[:10]}"
 
-    def _save_backup(self) -> None:
-        os.makedirs(self.backup_dir, exist_ok=True)
-        prefix = self._backup_prefix()
+    def _resume_from_backup(self) -> None:
+        epochs = (self.params or {}).get("epochs")
+        state = self._store.resume(self.model, epochs)
+        if state is not None:
+            weights_file = state.pop("best_weights_file", None)
+            state["best_weights"] = None
+            if weights_file is not None:
+                state["best_weights"] = self._store.load_weights_file(weights_file)
+                self._check_weights(state["best_weights"], weights_file)
+            if state["epoch"] >= 0:
+                self._apply_state(state)
+                return
+        # A fresh run: save the starting point, in case BackupAndRestore saves the first
+        # epoch and the process dies before this callback does.
+        self._persist(-1)
+
+    def _check_weights(self, weights, name) -> None:
+        shapes = [tuple(w.shape) for w in self.model.get_weights()]
+        if [tuple(w.shape) for w in weights] != shapes:
+            raise ValueError(
+                f"{type(self).__name__}: the best weights in {os.path.join(self.backup_dir, name)!r} "
+                "do not fit this model (another model's run?). Delete that directory's keras_perf_* "
+                "files to start afresh."
+            )
+
+    def _persist(self, epoch: int) -> None:
+        """Save the state of `epoch` (after its `on_epoch_end`) when `backup_dir` is set."""
+        if self._store is None:
+            return
         state = self.state_dict()
+        state["epoch"] = epoch
+        state["stop_training"] = self.stop_reason is not None and self.stopped_epoch == epoch
         weights = state.pop("best_weights")
-        weights_file = None
-        if weights is not None:
-            weights_file = f"{os.path.basename(prefix)}_best_{self.best_epoch}.npz"
-            if weights_file != self._saved_best_file:
-                tmp = os.path.join(self.backup_dir, weights_file + ".tmp.npz")
-                np.savez(tmp, *weights)
-                os.replace(tmp, os.path.join(self.backup_dir, weights_file))
-                self._saved_best_file = weights_file
-        state["best_weights_file"] = weights_file
-        # Keep the last two epochs' states: the one matching BackupAndRestore's checkpoint is
-        # there whichever of the two callbacks saved first when the run was interrupted.
-        states = [s for s in self._read_states() if s.get("epoch") != state["epoch"]][-1:]
-        states.append(state)
-        tmp = prefix + ".json.tmp"
-        with open(tmp, "w") as f:
-            json.dump({"format": _STATE_FORMAT, "states": states}, f)
-        os.replace(tmp, prefix + ".json")
-        keep = {s.get("best_weights_file") for s in states}
-        for name in os.listdir(self.backup_dir):
-            if name.startswith(os.path.basename(prefix) + "_best_") and name not in keep:
-                os.remove(os.path.join(self.backup_dir, name))
-
-    def _read_states(self) -> list[dict]:
-        path = self._backup_prefix() + ".json"
-        if not os.path.exists(path):
-            return []
-        with open(path) as f:
-            return list(json.load(f).get("states", []))
-
-    def _load_backup(self) -> None:
-        states = self._read_states()
-        if not states:
-            return
-        meta_path = os.path.join(self.backup_dir, _BACKUP_METADATA)
-        chosen = states[-1]
-        if os.path.exists(meta_path):
-            with open(meta_path) as f:
-                resume_epoch = json.load(f).get("epoch")
-            if isinstance(resume_epoch, int):
-                earlier = [s for s in states if s.get("epoch") is not None and s["epoch"] < resume_epoch]
-                if not earlier:
-                    return  # the backup predates every saved state: start afresh
-                chosen = earlier[-1]
-                if chosen["epoch"] != resume_epoch - 1:
-                    warn(
-                        f"{type(self).__name__}: the saved state is from epoch {chosen['epoch'] + 1} "
-                        f"but training resumes at epoch {resume_epoch + 1}; epochs in between are "
-                        "not counted.",
-                        stacklevel=4,
-                    )
-        state = dict(chosen)
-        weights_file = state.pop("best_weights_file", None)
-        if weights_file is not None:
-            with np.load(os.path.join(self.backup_dir, weights_file)) as data:
-                state["best_weights"] = [data[f"arr_{i}"] for i in range(len(data.files))]
-            self._saved_best_file = weights_file
-        self._apply_state(state)
-
-    def _delete_backup(self) -> None:
-        prefix = self._backup_prefix()
-        if not os.path.isdir(self.backup_dir):
-            return
-        for name in os.listdir(self.backup_dir):
-            if name.startswith(os.path.basename(prefix)):
-                os.remove(os.path.join(self.backup_dir, name))
+        # When BackupAndRestore has already saved this epoch (it is listed first), keep the
+        # weights with the state: if the process dies before the next save of ours, the
+        # resumed fit trains the next epoch again from them (see `keras_perf._state`).
+        model = None
+        try:
+            if epoch < 0 or read_backup_epoch(self.backup_dir) == epoch + 1:
+                model = self.model
+        except ValueError:
+            model = None
+        if model is not None and getattr(model, "optimizer", None) is not None:
+            if not model.optimizer.built:
+                model.optimizer.build(model.trainable_variables)
+        self._store.save(state, weights, model)
 
     @classmethod
     def from_config(cls, config: dict):
@@ -357,25 +386,29 @@ class EarlyStopping(_MonitoringCallback):
     """Stop training when the monitored metric stops improving, is good enough, or diverges.
 
     A drop-in for `keras.callbacks.EarlyStopping`: the first eight arguments are Keras' own, in
-    Keras' order, with the same meaning and defaults, and the same logs give the same stop epoch
-    and the same restored weights. Added:
+    Keras' order, with the same meaning and defaults. With the added arguments at their
+    defaults it takes Keras' decisions on every sequence of logs (NaN and Inf included: as in
+    Keras, a NaN is never an improvement, and a NaN first value becomes `best`), and it has
+    Keras' public attributes with Keras' meaning: `monitor_op` (`keras.ops.less` or
+    `keras.ops.greater`, set at the first epoch), `min_delta` (negated in "min" mode at that
+    point, as in Keras), `best` (None until the first monitored epoch), `wait`,
+    `stopped_epoch`, `best_epoch`, `best_weights`, `baseline`, `patience`, `start_from_epoch`.
+
+    Added, all opt-in:
 
     - `relative_delta=True` reads `min_delta` as a fraction of `|best|` (0.01: improve by 1%);
-    - `stopping_threshold`: stop once the metric is at least this good (`<=` in `"min"` mode,
-      `>=` in `"max"` mode);
+    - `stopping_threshold`: stop once the metric is at least this good (`<=` in "min" mode,
+      `>=` in "max" mode);
     - `divergence_threshold`: stop once the metric is at least this bad;
-    - `check_finite`: stop at once when the metric or `loss` is NaN or infinite (such a value
-      never counts as the best);
+    - `check_finite=True`: stop at once when the metric or `loss` is NaN or infinite (such a
+      value never counts as the best);
     - `stop_reason`: `"patience"`, `"threshold"`, `"divergence"`, `"non_finite"` or None;
-    - a missing monitored key warns once per fit, naming the keys that exist (Keras warns every
-      epoch), or raises `KeyError` with `strict=True`;
     - `state_dict()`/`load_state_dict()` and `backup_dir=` to survive an interruption resumed
       with `keras.callbacks.BackupAndRestore` (pass the same directory).
 
-    The thresholds and patience apply from `start_from_epoch` on; `check_finite` applies from
-    the first epoch. Comparisons are made in float64 (Keras rounds to float32, so values that
-    differ only below float32 precision can be ranked differently). `restore_best_weights`
-    restores the best epoch's weights whatever ended training, also when it ran to the end.
+    The thresholds apply from `start_from_epoch` on; `check_finite` applies from the first
+    epoch. A value logged as a one-element array counts as its element; a longer array is an
+    error.
 
     Args:
         monitor: Key of the logs to watch. Defaults to `"val_loss"`.
@@ -383,7 +416,8 @@ class EarlyStopping(_MonitoringCallback):
         patience: Epochs without improvement after which training stops. Defaults to `0`.
         verbose: 1 prints a line when the callback stops training or restores weights.
             Defaults to `0`.
-        mode: `"auto"`, `"min"` or `"max"`; `"auto"` reads the direction from the metric.
+        mode: `"auto"`, `"min"` or `"max"`; `"auto"` takes the direction Keras takes: down
+            for `loss`/`val_loss`, else the direction the compiled metric declares.
             Defaults to `"auto"`.
         baseline: Value the metric must beat for the patience counter to reset.
             Defaults to `None`.
@@ -393,7 +427,7 @@ class EarlyStopping(_MonitoringCallback):
         relative_delta: Read `min_delta` as a fraction of `|best|`. Defaults to `False`.
         stopping_threshold: Stop once the metric is at least this good. Defaults to `None`.
         divergence_threshold: Stop once the metric is at least this bad. Defaults to `None`.
-        check_finite: Stop when the metric or `loss` is NaN/Inf. Defaults to `True`.
+        check_finite: Stop when the metric or `loss` is NaN/Inf. Defaults to `False`.
         strict: Raise `KeyError` instead of warning when `monitor` is missing from the logs.
             Defaults to `False`.
         backup_dir: Directory where the state is saved after every epoch and reloaded at the
@@ -403,8 +437,9 @@ class EarlyStopping(_MonitoringCallback):
     Raises:
         ValueError: `patience`, `start_from_epoch` or `min_delta` is negative, `mode` is
             unknown, or the thresholds are on the wrong side of each other or of `baseline`
-            for the direction of `mode` (checked at the first epoch when `mode="auto"` and the
-            name does not tell).
+            for the direction (checked at construction when `mode` is "min"/"max" or the
+            monitor is a loss, else at the first epoch). At the first epoch, like Keras: the
+            direction of `monitor` cannot be told in `mode="auto"`.
         TypeError: an argument has the wrong type.
 
     Example:
@@ -435,25 +470,50 @@ class EarlyStopping(_MonitoringCallback):
         relative_delta: bool = False,
         stopping_threshold: float | None = None,
         divergence_threshold: float | None = None,
-        check_finite: bool = True,
+        check_finite: bool = False,
         strict: bool = False,
         backup_dir: str | None = None,
     ):
-        self.min_delta = check_number("min_delta", min_delta, low=0.0, high=math.inf, high_inclusive=False)
+        # Keras stores abs(min_delta) and negates it when the direction turns out to be "min".
+        self.min_delta = check_number(
+            "min_delta", min_delta, low=0.0, high=math.inf, high_inclusive=False
+        )
         self.patience = check_int("patience", patience, minimum=0)
-        self.baseline = check_number("baseline", baseline, low=-math.inf, high=math.inf,
-                                     low_inclusive=False, high_inclusive=False, allow_none=True)
+        self.baseline = check_number(
+            "baseline",
+            baseline,
+            low=-math.inf,
+            high=math.inf,
+            low_inclusive=False,
+            high_inclusive=False,
+            allow_none=True,
+        )
         self.start_from_epoch = check_int("start_from_epoch", start_from_epoch, minimum=0)
         self.relative_delta = check_bool("relative_delta", relative_delta)
-        finite = {"low": -math.inf, "high": math.inf, "low_inclusive": False,
-                  "high_inclusive": False, "allow_none": True}
+        finite = {
+            "low": -math.inf,
+            "high": math.inf,
+            "low_inclusive": False,
+            "high_inclusive": False,
+            "allow_none": True,
+        }
         self.stopping_threshold = check_number("stopping_threshold", stopping_threshold, **finite)
-        self.divergence_threshold = check_number("divergence_threshold", divergence_threshold, **finite)
+        self.divergence_threshold = check_number(
+            "divergence_threshold", divergence_threshold, **finite
+        )
         self.check_finite = check_bool("check_finite", check_finite)
+        self.wait = 0
         super().__init__(monitor, mode, restore_best_weights, verbose, strict, backup_dir)
-        direction = self._direction or _direction_from_name(monitor)
-        if direction is not None:
-            self._check_direction(direction)
+        known = (
+            mode if mode != "auto" else ("min" if monitor.removeprefix("val_") == "loss" else None)
+        )
+        if known is not None:
+            self._check_direction(known)
+
+    def _set_op(self, op) -> None:
+        super()._set_op(op)
+        if op is _LESS:
+            self.min_delta = -abs(self.min_delta)  # Keras' sign convention
 
     def _check_direction(self, direction: str) -> None:
         better, worse = ("lower", "higher") if direction == "min" else ("higher", "lower")
@@ -483,45 +543,70 @@ class EarlyStopping(_MonitoringCallback):
         super()._reset()
         self.wait = 0
 
-    def _delta(self, reference: float) -> float:
-        return self.min_delta * abs(reference) if self.relative_delta else self.min_delta
+    def _is_improvement(self, monitor_value: float, reference_value) -> bool:
+        """Keras' `MonitorCallback._is_improvement` (with `relative_delta`, a scaled delta)."""
+        if reference_value is None:
+            return True
+        delta = self.min_delta * abs(reference_value) if self.relative_delta else self.min_delta
+        return bool(self.monitor_op(monitor_value - delta, reference_value))
 
     def on_epoch_end(self, epoch, logs=None):
         logs = logs or {}
         self._last_epoch = epoch
+        if self.monitor_op is None:
+            # As Keras: delayed until the model's metrics are built (may raise in "auto").
+            self._set_monitor_op()
         current = self._monitored_value(logs)
-        if current is not None:
-            self._resolve_direction()
-        reason = None
-        if self.check_finite:
-            loss = logs.get("loss")
-            if (current is not None and not math.isfinite(current)) or (
-                loss is not None and not math.isfinite(float(loss))
-            ):
-                reason = "non_finite"
-        if reason is None and current is not None and epoch >= self.start_from_epoch:
+        if self.check_finite and self._non_finite(current, logs):
+            self._stop(epoch, "non_finite")
+        elif current is not None and epoch >= self.start_from_epoch:
             reason = self._update(epoch, current)
-        if reason is not None:
-            self._stop(epoch, reason)
-        if self.backup_dir is not None:
-            self._save_backup()
+            if reason is not None:
+                self._stop(epoch, reason)
+        self._persist(epoch)
+
+    def _non_finite(self, current, logs) -> bool:
+        if current is not None and not math.isfinite(current):
+            return True
+        loss = logs.get("loss")
+        return (
+            loss is not None and self.monitor != "loss" and not math.isfinite(self._scalar_of(loss))
+        )
+
+    @staticmethod
+    def _scalar_of(value) -> float:
+        try:
+            return float(
+                np.asarray(keras.ops.convert_to_numpy(value), dtype="float64").reshape(-1)[0]
+            )
+        except (TypeError, ValueError, IndexError):
+            return 0.0
 
     def _update(self, epoch: int, current: float) -> str | None:
-        """Keras' bookkeeping for one monitored epoch, then the extra criteria."""
+        """Keras' bookkeeping for one monitored epoch, then the added criteria."""
         if self.restore_best_weights and self.best_weights is None:
             # As Keras: until an improvement is recorded, the current weights are the best.
             self.best_weights = self.model.get_weights()
             self.best_epoch = epoch
         self.wait += 1
-        improved = self.best is None or self._better(current, self.best, self._delta(self.best))
+        improved = self._is_improvement(current, self.best)
         if improved:
-            self._keep_best(epoch, current)
-            # Reset the wait only when both the baseline and the previous best are beaten.
-            if self.baseline is None or self._better(current, self.baseline, self._delta(self.baseline)):
+            self.best = current
+            self.best_epoch = epoch
+            if self.restore_best_weights:
+                self.best_weights = self.model.get_weights()
+            # Only restart wait if we beat both the baseline and our previous best.
+            if self.baseline is None or self._is_improvement(current, self.baseline):
                 self.wait = 0
-        if self.stopping_threshold is not None and not self._better(self.stopping_threshold, current):
-            return "threshold"
-        if self.divergence_threshold is not None and not self._better(current, self.divergence_threshold):
+        if self.stopping_threshold is not None and not self._better(
+            self.stopping_threshold, current
+        ):
+            if current == current:  # NaN never reaches the threshold
+                return "threshold"
+        # Not better than the divergence threshold: worse, equal, or NaN.
+        if self.divergence_threshold is not None and not self._better(
+            current, self.divergence_threshold
+        ):
             return "divergence"
         if not improved and self.wait >= self.patience and epoch > 0:
             return "patience"
@@ -530,7 +615,7 @@ class EarlyStopping(_MonitoringCallback):
     def get_config(self) -> dict:
         config = self._config()
         config.update(
-            min_delta=self.min_delta,
+            min_delta=abs(self.min_delta),
             patience=self.patience,
             baseline=self.baseline,
             start_from_epoch=self.start_from_epoch,
@@ -591,8 +676,12 @@ class TimeLimit(_MonitoringCallback):
         True
     """
 
-    _STATE_KEYS = _MonitoringCallback._STATE_KEYS + ("elapsed", "epoch_times", "tail_times",
-                                                     "max_batch_time")
+    _STATE_KEYS = _MonitoringCallback._STATE_KEYS + (
+        "elapsed",
+        "epoch_times",
+        "tail_times",
+        "max_batch_time",
+    )
 
     def __init__(
         self,
@@ -605,8 +694,9 @@ class TimeLimit(_MonitoringCallback):
         strict: bool = False,
         backup_dir: str | None = None,
     ):
-        self.seconds = check_number("seconds", seconds, low=0.0, high=math.inf,
-                                    low_inclusive=False, high_inclusive=False)
+        self.seconds = check_number(
+            "seconds", seconds, low=0.0, high=math.inf, low_inclusive=False, high_inclusive=False
+        )
         if not isinstance(granularity, str):
             raise TypeError(f"`granularity` must be one of {GRANULARITIES}, got {granularity!r}.")
         self.granularity = check_choice("granularity", granularity, GRANULARITIES)
@@ -634,8 +724,10 @@ class TimeLimit(_MonitoringCallback):
         # worker leave an epoch the others are still in, so they decide per epoch only.
         self._multi_worker = _backend.is_multi_worker(self.model)
         if self._multi_worker and self.granularity == "batch":
-            warn("TimeLimit(granularity='batch') checks per epoch under a multi-worker strategy, "
-                 "so that every worker stops after the same epoch.")
+            warn(
+                "TimeLimit(granularity='batch') checks per epoch under a multi-worker strategy, "
+                "so that every worker stops after the same epoch."
+            )
 
     def _apply_state(self, state: dict) -> None:
         super()._apply_state(state)
@@ -704,23 +796,26 @@ class TimeLimit(_MonitoringCallback):
         # Clocks differ between workers: under a multi-worker strategy all stop if one must.
         if _backend.any_worker(stop, self.model):
             self._stop(epoch, "time_limit")
-        if self.backup_dir is not None:
-            self._save_backup()
+        self._persist(epoch)
 
     def _track(self, epoch: int, logs: dict) -> None:
         """Keep the best epoch of `monitor` (warn about a missing key only if it is needed)."""
-        if not self.restore_best_weights:
-            if self.monitor not in logs:
-                return
+        if not self.restore_best_weights and self.monitor not in logs:
+            return
+        if self.monitor_op is None:
             try:
-                self._resolve_direction()
+                self._set_monitor_op()
             except ValueError:
+                if self.restore_best_weights:
+                    raise
                 return  # only informative here: no direction, no ranking
         current = self._monitored_value(logs)
         if current is not None and math.isfinite(current):
-            self._resolve_direction()
-            if self.best is None or self._better(current, self.best):
-                self._keep_best(epoch, current)
+            if self.best is None or bool(self.monitor_op(current, self.best)):
+                self.best = current
+                self.best_epoch = epoch
+                if self.restore_best_weights:
+                    self.best_weights = self.model.get_weights()
 
     def get_config(self) -> dict:
         config = self._config()

@@ -100,7 +100,7 @@ def test_stopping_threshold_min_and_max():
     es = kp.EarlyStopping(patience=10, stopping_threshold=0.2, restore_best_weights=True)
     assert drive(es, [1.0, 0.5, 0.2, 0.1]) == (2, 2.0)
     assert (es.stop_reason, es.stopped_epoch, es.best, es.best_epoch) == ("threshold", 2, 0.2, 2)
-    es = kp.EarlyStopping("val_accuracy", patience=10, stopping_threshold=0.9)
+    es = kp.EarlyStopping("val_accuracy", patience=10, mode="max", stopping_threshold=0.9)
     assert drive(es, [0.5, 0.89, 0.91, 0.95], key="val_accuracy")[0] == 2
     assert es.stop_reason == "threshold"
 
@@ -120,18 +120,25 @@ def test_divergence_restores_the_best_epoch():
     ],
 )
 def test_non_finite_stops_and_never_becomes_best(values, losses, stop):
-    es = kp.EarlyStopping(patience=10, restore_best_weights=True)
+    es = kp.EarlyStopping(patience=10, restore_best_weights=True, check_finite=True)
     last, weight = drive(es, values, losses=losses)
     assert (last, es.stop_reason, es.stopped_epoch) == (stop, "non_finite", stop)
     assert math.isfinite(es.best) and weight == es.best_epoch == stop - 1
 
 
-def test_check_finite_off_behaves_like_keras_on_nan():
+def test_defaults_behave_like_keras_on_nan_and_inf():
+    # Regression: check_finite used to default to True, stopping at the NaN where Keras trains
+    # on (and watching `loss` too while monitoring `val_loss`).
     values = [1.0, 0.5, math.nan, 0.6, 0.7]
-    ours = kp.EarlyStopping(patience=2, check_finite=False)
+    ours = kp.EarlyStopping(patience=2)
     theirs = keras.callbacks.EarlyStopping(patience=2)
     assert drive(ours, values) == drive(theirs, values) == (3, 3.0)
-    assert ours.stop_reason == "patience"
+    assert ours.stop_reason == "patience" and ours.check_finite is False
+    losses = [1.0, math.nan, math.inf, 1.0, 1.0, 1.0]
+    values = [3.0, 2.0, 1.0, 0.5, 0.4, 0.3]
+    ours, theirs = kp.EarlyStopping(), keras.callbacks.EarlyStopping()
+    assert drive(ours, values, losses=losses) == drive(theirs, values, losses=losses) == (5, 5.0)
+    assert ours.stop_reason is None and ours.best == 0.3
 
 
 def test_relative_delta():
@@ -146,18 +153,21 @@ def test_relative_delta():
 def test_thresholds_wait_for_start_from_epoch_but_non_finite_does_not():
     es = kp.EarlyStopping(stopping_threshold=0.5, start_from_epoch=3, patience=5)
     assert drive(es, [0.1, 0.2, 0.3, 0.4, 0.9])[0] == 3
-    es = kp.EarlyStopping(start_from_epoch=3)
+    es = kp.EarlyStopping(start_from_epoch=3, check_finite=True)
     assert drive(es, [0.1, math.nan, 0.3, 0.4])[0] == 1 and es.stop_reason == "non_finite"
 
 
 def test_missing_key_warns_once_naming_the_keys():
-    es = kp.EarlyStopping(monitor="val_los", patience=0)
-    with pytest.warns(kp.KerasPerfWarning, match=r"`val_los`.*Keys available: loss, val_loss") as rec:
+    # (In mode="auto" a misspelt monitor raises at the first epoch, as in Keras.)
+    es = kp.EarlyStopping(monitor="val_los", patience=0, mode="min")
+    with pytest.warns(
+        kp.KerasPerfWarning, match=r"`val_los`.*Keys available: loss, val_loss"
+    ) as rec:
         assert drive(es, [3.0, 2.0, 1.0], key="val_loss") == (2, 2.0)
     assert len([w for w in rec if issubclass(w.category, kp.KerasPerfWarning)]) == 1
     assert es.stop_reason is None
     with pytest.raises(KeyError, match=r"`val_los`.*Keys available: loss, val_loss"):
-        drive(kp.EarlyStopping(monitor="val_los", strict=True), [3.0], key="val_loss")
+        drive(kp.EarlyStopping(monitor="val_los", mode="min", strict=True), [3.0], key="val_loss")
 
 
 def test_state_dict_resume_equals_uninterrupted_and_instance_is_reusable():
@@ -188,11 +198,30 @@ def test_state_dict_resume_equals_uninterrupted_and_instance_is_reusable():
 
 
 def test_serialization_round_trip():
-    es = kp.EarlyStopping("val_accuracy", 0.01, 2, 1, "max", 0.5, True, 1, relative_delta=True,
-                          stopping_threshold=0.99, divergence_threshold=0.1, check_finite=False,
-                          strict=True, backup_dir="ckpt")
-    tl = kp.TimeLimit(3600, restore_best_weights=True, monitor="loss", mode="min",
-                      granularity="batch", backup_dir="ckpt")
+    es = kp.EarlyStopping(
+        "val_accuracy",
+        0.01,
+        2,
+        1,
+        "max",
+        0.5,
+        True,
+        1,
+        relative_delta=True,
+        stopping_threshold=0.99,
+        divergence_threshold=0.1,
+        check_finite=False,
+        strict=True,
+        backup_dir="ckpt",
+    )
+    tl = kp.TimeLimit(
+        3600,
+        restore_best_weights=True,
+        monitor="loss",
+        mode="min",
+        granularity="batch",
+        backup_dir="ckpt",
+    )
     for cb in (es, tl):
         clone = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(cb))
         assert type(clone) is type(cb) and clone.get_config() == cb.get_config()
@@ -209,19 +238,34 @@ def test_serialization_round_trip():
         (dict(start_from_epoch=-2), ValueError, r"`start_from_epoch` must be an integer >= 0"),
         (dict(stopping_threshold=math.nan), ValueError, r"`stopping_threshold` must be in"),
         (dict(monitor=""), TypeError, r"`monitor` must be a non-empty string"),
-        (dict(mode="min", stopping_threshold=1.0, baseline=0.5), ValueError,
-         r"`stopping_threshold` \(1.0\) must not be higher than `baseline` \(0.5\)"),
-        (dict(mode="min", divergence_threshold=0.4, baseline=0.5), ValueError,
-         r"`divergence_threshold` \(0.4\) must be higher than `baseline`"),
-        (dict(mode="min", stopping_threshold=2.0, divergence_threshold=1.0), ValueError,
-         r"`stopping_threshold` \(2.0\) must be lower than `divergence_threshold` \(1.0\)"),
-        (dict(mode="max", monitor="acc", stopping_threshold=0.4, baseline=0.5), ValueError,
-         r"must not be lower than `baseline`"),
-        (dict(mode="max", monitor="acc", divergence_threshold=0.6, baseline=0.5), ValueError,
-         r"`divergence_threshold` \(0.6\) must be lower than `baseline`"),
-        # mode="auto" reads the direction from the name: accuracy goes up.
-        (dict(monitor="val_accuracy", stopping_threshold=0.4, baseline=0.5), ValueError,
-         r"in mode 'max'"),
+        (
+            dict(mode="min", stopping_threshold=1.0, baseline=0.5),
+            ValueError,
+            r"`stopping_threshold` \(1.0\) must not be higher than `baseline` \(0.5\)",
+        ),
+        (
+            dict(mode="min", divergence_threshold=0.4, baseline=0.5),
+            ValueError,
+            r"`divergence_threshold` \(0.4\) must be higher than `baseline`",
+        ),
+        (
+            dict(mode="min", stopping_threshold=2.0, divergence_threshold=1.0),
+            ValueError,
+            r"`stopping_threshold` \(2.0\) must be lower than `divergence_threshold` \(1.0\)",
+        ),
+        (
+            dict(mode="max", monitor="acc", stopping_threshold=0.4, baseline=0.5),
+            ValueError,
+            r"must not be lower than `baseline`",
+        ),
+        (
+            dict(mode="max", monitor="acc", divergence_threshold=0.6, baseline=0.5),
+            ValueError,
+            r"`divergence_threshold` \(0.6\) must be lower than `baseline`",
+        ),
+        # mode="auto" on a loss: the direction is known at construction.
+        (dict(monitor="loss", stopping_threshold=0.6, baseline=0.5), ValueError, r"in mode 'min'"),
+        (dict(backup_dir=""), ValueError, r"`backup_dir` must be a directory path or None"),
         (dict(strict=1), TypeError, r"`strict` must be True or False"),
     ],
 )
@@ -231,9 +275,25 @@ def test_early_stopping_bad_arguments(kwargs, error, match):
 
 
 def test_unknown_direction_is_checked_at_first_epoch():
-    es = kp.EarlyStopping(monitor="val_score", stopping_threshold=0.4, baseline=0.5)
-    with pytest.raises(ValueError, match=r"cannot tell whether `val_score`.*mode='max'"):
-        drive(es, [0.1], key="val_score")
+    # As Keras: in mode="auto" only `loss` and compiled metrics that declare a direction are
+    # known; anything else raises at the first epoch (even when the key is missing).
+    for monitor in ("val_score", "val_accuracy"):
+        es = kp.EarlyStopping(monitor=monitor, stopping_threshold=0.4, baseline=0.5)
+        with pytest.raises(
+            ValueError, match=rf"monitor={monitor}, but Keras isn't able.*mode='max'"
+        ):
+            drive(es, [0.1], key=monitor)
+        with pytest.raises(ValueError, match=r"isn't able to automatically determine"):
+            drive(keras.callbacks.EarlyStopping(monitor=monitor), [0.1], key=monitor)
+    # With the direction known at the first epoch (the compiled metric says "up"), the
+    # arguments are checked against it before any decision.
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(2)])
+    model.compile("sgd", "sparse_categorical_crossentropy", metrics=["accuracy"])
+    es = kp.EarlyStopping(monitor="accuracy", stopping_threshold=0.4, baseline=0.5)
+    with pytest.raises(
+        ValueError, match=r"must not be lower than `baseline` \(0.5\) in mode 'max'"
+    ):
+        model.fit(np.ones((4, 2)), np.zeros(4), epochs=1, callbacks=[es], verbose=0)
 
 
 @pytest.mark.parametrize(
@@ -242,7 +302,11 @@ def test_unknown_direction_is_checked_at_first_epoch():
         (dict(seconds=0), ValueError, r"`seconds` must be in \(0.0, inf\), got 0.0"),
         (dict(seconds=-5), ValueError, r"`seconds` must be in \(0.0, inf\)"),
         (dict(seconds="1h"), TypeError, r"`seconds` must be a number"),
-        (dict(seconds=10, granularity="step"), ValueError, r"`granularity` must be one of 'epoch', 'batch'"),
+        (
+            dict(seconds=10, granularity="step"),
+            ValueError,
+            r"`granularity` must be one of 'epoch', 'batch'",
+        ),
         (dict(seconds=10, mode="up"), ValueError, r"`mode` must be one of"),
     ],
 )
@@ -347,8 +411,9 @@ def _model(lr=0.05, optimizer="sgd"):
         [keras.Input((64,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(10)]
     )
     opt = keras.optimizers.SGD(lr) if optimizer == "sgd" else keras.optimizers.Adam(lr)
-    model.compile(opt, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
+    model.compile(
+        opt, keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"]
+    )
     return model
 
 
@@ -372,8 +437,16 @@ def test_fit_parity_with_keras_restored_weights(data):
     for cls in (kp.EarlyStopping, keras.callbacks.EarlyStopping):
         model = _model(lr=1.0)
         es = cls(monitor="val_loss", patience=1, min_delta=0.002, restore_best_weights=True)
-        hist = model.fit(x, y, validation_data=(xv, yv), batch_size=128, epochs=25, shuffle=False,
-                         callbacks=[es], verbose=0)
+        hist = model.fit(
+            x,
+            y,
+            validation_data=(xv, yv),
+            batch_size=128,
+            epochs=25,
+            shuffle=False,
+            callbacks=[es],
+            verbose=0,
+        )
         runs.append((len(hist.history["loss"]), es.best_epoch, model.get_weights()))
     assert runs[0][:2] == runs[1][:2]
     assert runs[0][0] < 25  # it did stop early
@@ -384,8 +457,9 @@ def test_fit_threshold_on_val_accuracy_infers_max(data):
     x, y, xv, yv = data
     model = _model(lr=0.5)
     es = kp.EarlyStopping("val_accuracy", stopping_threshold=0.8, patience=50)
-    hist = model.fit(x, y, validation_data=(xv, yv), batch_size=128, epochs=40, callbacks=[es],
-                     verbose=0)
+    hist = model.fit(
+        x, y, validation_data=(xv, yv), batch_size=128, epochs=40, callbacks=[es], verbose=0
+    )
     acc = hist.history["val_accuracy"]
     assert es.stop_reason == "threshold" and es.stopped_epoch == len(acc) - 1
     assert acc[-1] >= 0.8 and all(a < 0.8 for a in acc[:-1])
@@ -406,9 +480,19 @@ def test_fit_non_finite_restores_finite_weights(data):
     x, y, xv, yv = data
     model = _regression()
     rec = Record()
-    es = kp.EarlyStopping(monitor="val_loss", patience=50, restore_best_weights=True)
-    hist = model.fit(x, y.astype("float32"), validation_data=(xv, yv.astype("float32")),
-                     batch_size=32, epochs=20, shuffle=False, callbacks=[BLOW_UP, rec, es], verbose=0)
+    es = kp.EarlyStopping(
+        monitor="val_loss", patience=50, restore_best_weights=True, check_finite=True
+    )
+    hist = model.fit(
+        x,
+        y.astype("float32"),
+        validation_data=(xv, yv.astype("float32")),
+        batch_size=32,
+        epochs=20,
+        shuffle=False,
+        callbacks=[BLOW_UP, rec, es],
+        verbose=0,
+    )
     losses = hist.history["loss"]
     assert es.stop_reason == "non_finite" and len(losses) == 4 and not math.isfinite(losses[-1])
     assert es.best_epoch == 2 and es.best == hist.history["val_loss"][2]
@@ -421,8 +505,15 @@ def test_fit_divergence_with_check_finite_off(data):
     x, y, _, _ = data
     model = _regression()
     es = kp.EarlyStopping("loss", divergence_threshold=100.0, check_finite=False, patience=50)
-    hist = model.fit(x, y.astype("float32"), batch_size=32, epochs=20, shuffle=False,
-                     callbacks=[BLOW_UP, es], verbose=0)
+    hist = model.fit(
+        x,
+        y.astype("float32"),
+        batch_size=32,
+        epochs=20,
+        shuffle=False,
+        callbacks=[BLOW_UP, es],
+        verbose=0,
+    )
     losses = hist.history["loss"]
     assert es.stop_reason == "divergence" and es.stopped_epoch == 3 and len(losses) == 4
     assert max(losses[:3]) < 100.0 and not losses[3] < 100.0  # >= 100 or NaN
@@ -451,7 +542,18 @@ class Interrupt(keras.callbacks.Callback):
 
 def test_interrupt_and_resume_with_backup_and_restore(data, tmp_path):
     x, y, _, _ = data
-    script = [5.0, 4.0, 3.0, 3.5, 2.9, 3.1, 3.2, 3.3, 3.4, 3.5]  # best at 4; patience 2 -> stop at 6
+    script = [
+        5.0,
+        4.0,
+        3.0,
+        3.5,
+        2.9,
+        3.1,
+        3.2,
+        3.3,
+        3.4,
+        3.5,
+    ]  # best at 4; patience 2 -> stop at 6
     backup = str(tmp_path / "backup")
 
     def fit(model, es, extra=()):
@@ -543,7 +645,9 @@ def test_fit_time_limit_batch_granularity_ends_mid_epoch(data):
             steps[-1] += 1
 
     t0 = time.perf_counter()
-    model.fit(x, y, batch_size=16, epochs=5, callbacks=[Sleep(batch_s=0.05), Steps(), tl], verbose=0)
+    model.fit(
+        x, y, batch_size=16, epochs=5, callbacks=[Sleep(batch_s=0.05), Steps(), tl], verbose=0
+    )
     wall = time.perf_counter() - t0
     # 32 batches of >= 50 ms: the first epoch alone would overrun 1 s; it ends early instead.
     assert tl.stop_reason == "time_limit" and tl.stopped_epoch == 0
@@ -585,8 +689,14 @@ def test_tf_distribute_replicas_share_the_decision():
                           "eval": float(model.evaluate(x[1437:], y[1437:], verbose=0))}))
         """
     )
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT,
-                         timeout=240, env={**os.environ, "PYTHONPATH": ROOT})
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=240,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["replicas"] == 2 and result["replicas_equal"]

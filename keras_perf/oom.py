@@ -768,6 +768,58 @@ def fit_with_oom_retry(
     return run.history()
 
 
+def _is_unbatched_tf_data(model, x) -> bool:
+    """A tf.data.Dataset whose elements have one dimension less than the model's inputs."""
+    inputs = getattr(model, "inputs", None)
+    spec = keras.tree.flatten(x.element_spec)[0]
+    if not inputs or spec.shape.rank is None:
+        return False
+    return spec.shape.rank == len(inputs[0].shape) - 1
+
+
+def _probe_batch(model, x, y, batch_size):
+    """The first `batch_size` examples of `x` as `(x, y, sample_weight)` arrays."""
+    if _is_array_input(x):
+        return (*map_batch(lambda t: t[:batch_size], (x, y)), None)
+    if isinstance(x, types.GeneratorType) or (hasattr(x, "__next__") and iter(x) is x):
+        raise TypeError(
+            "find_max_microbatch: `x` is a generator or iterator, which the probe would "
+            "consume. Pass arrays, a `tf.data.Dataset`, a `keras.utils.PyDataset` or a torch "
+            "DataLoader."
+        )
+    if y is not None:
+        raise ValueError("find_max_microbatch: `y` must be None when `x` is a dataset.")
+    if hasattr(x, "element_spec") and _is_unbatched_tf_data(model, x):
+        x = x.batch(batch_size)
+    if isinstance(x, keras.utils.PyDataset):
+        batches = (x[i] for i in range(len(x)))
+    else:
+        try:
+            batches = iter(x)
+        except TypeError:
+            raise TypeError(
+                f"find_max_microbatch: unsupported `x` of type {type(x).__name__}."
+            ) from None
+    taken, n = [], 0
+    for batch in batches:
+        # A DataLoader yields lists: (x, y) as a list.
+        batch = keras.utils.unpack_x_y_sample_weight(
+            tuple(batch) if isinstance(batch, (list, tuple)) else (batch,)
+        )
+        taken.append(map_batch(keras.ops.convert_to_numpy, batch))
+        n += int(first_tensor(batch).shape[0])
+        if n >= batch_size:
+            break
+    if n < batch_size:
+        raise ValueError(
+            f"find_max_microbatch: `x` holds {n} examples, fewer than batch_size={batch_size}."
+        )
+    joined = keras.tree.map_structure(
+        lambda *ts: None if ts[0] is None else np.concatenate(ts)[:batch_size], *taken
+    )
+    return joined
+
+
 def find_max_microbatch(model: keras.Model, x, y=None, batch_size: int = 32) -> int:
     """Probe the largest micro-batch of a `batch_size` batch that fits in memory.
 
@@ -779,8 +831,11 @@ def find_max_microbatch(model: keras.Model, x, y=None, batch_size: int = 32) -> 
     Args:
         model: A compiled Sequential or Functional `keras.Model`, or one with
             `kp.LossScaleTrainStep`.
-        x: Training inputs (arrays, or a dict/list of arrays) with at least `batch_size` rows.
-        y: Targets. Defaults to `None`.
+        x: Training inputs with at least `batch_size` examples: arrays (or a dict/list of
+            them), a `tf.data.Dataset` (batched, or unbatched: then batched here), a
+            `keras.utils.PyDataset` or a torch DataLoader; their first batches are read.
+            Not a generator or iterator, which the probe would consume.
+        y: Targets, with arrays only. Defaults to `None`.
         batch_size: The batch to fit. Defaults to `32`.
 
     Returns:
@@ -788,8 +843,10 @@ def find_max_microbatch(model: keras.Model, x, y=None, batch_size: int = 32) -> 
         `microbatches = ceil(batch_size / result)`.
 
     Raises:
-        TypeError: bad argument types, or a subclassed model without the train step.
-        ValueError: the model is not compiled, or `batch_size` < 1.
+        TypeError: bad argument types, a subclassed model without the train step, or `x` a
+            generator or iterator.
+        ValueError: the model is not compiled, `batch_size` < 1, `y` given with a dataset,
+            or `x` has fewer than `batch_size` examples.
         RuntimeError: even single-example micro-batches run out of memory.
 
     Example:
@@ -804,8 +861,8 @@ def find_max_microbatch(model: keras.Model, x, y=None, batch_size: int = 32) -> 
     batch_size = check_int("batch_size", batch_size, minimum=1)
     if getattr(model, "optimizer", None) is None:
         raise ValueError(f"Model '{model.name}' is not compiled: call `model.compile(...)` first.")
+    xb, yb, sw = _probe_batch(model, x, y, batch_size)
     probe = model if isinstance(model, LossScaleTrainStep) else loss_scaled(model)
-    xb, yb = map_batch(lambda t: t[:batch_size], (x, y))
     n = int(first_tensor(xb).shape[0])
     saved, original = _snapshot(probe), probe.microbatches
     microbatches, errors = 1, []
@@ -813,7 +870,7 @@ def find_max_microbatch(model: keras.Model, x, y=None, batch_size: int = 32) -> 
         while True:
             probe.microbatches = microbatches
             try:
-                probe.train_on_batch(xb, yb)
+                probe.train_on_batch(xb, yb, sample_weight=sw)
                 return math.ceil(n / microbatches)
             except Exception as exc:
                 if not _backend.is_oom(exc):

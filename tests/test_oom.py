@@ -650,3 +650,37 @@ def test_micro_batched_route_keeps_the_full_batch_update_under_sum_reduction(wei
     ref.fit(x, y, **kwargs)
     assert len(h.oom_events) == 1
     assert _max_diff(model, ref) < 1e-5
+
+
+@pytest.mark.parametrize("kind", ["tf_data", "tf_data_unbatched", "pydataset", "dataloader"])
+def test_find_max_microbatch_reads_the_first_batches_of_a_dataset(kind):
+    # Regression: a tf.data input raised "'_BatchDataset' object is not subscriptable".
+    x, y = _data(n=32)
+    if kind.startswith("tf_data"):
+        import tensorflow as tf
+
+        data = tf.data.Dataset.from_tensor_slices((x, y))
+        data = data if kind == "tf_data_unbatched" else data.batch(8)  # 2 batches make 16
+    elif kind == "pydataset":
+        data = Batches(x, y, 8)
+    else:
+        torch = pytest.importorskip("torch")
+        tensors = torch.utils.data.TensorDataset(torch.from_numpy(x), torch.from_numpy(y))
+        data = torch.utils.data.DataLoader(tensors, batch_size=8)
+    model, layer = _model(threshold=5)
+    _compile(model)
+    before = [w.copy() for w in model.get_weights()]
+    assert kp.find_max_microbatch(model, data, batch_size=16) == 4
+    assert layer.sizes[:3] == [16, 8, 4]  # 16 examples, then halved twice
+    assert all(np.array_equal(a, b) for a, b in zip(before, model.get_weights()))
+
+
+def test_find_max_microbatch_refuses_generators_and_short_data():
+    x, y = _data(n=16)
+    model, layer = _model(threshold=5)
+    _compile(model)
+    with pytest.raises(TypeError, match=r"`x` is a generator or iterator"):
+        kp.find_max_microbatch(model, _batches_in_order(x, y, 8, 2), batch_size=16)
+    with pytest.raises(ValueError, match=r"holds 16 examples, fewer than batch_size=32"):
+        kp.find_max_microbatch(model, Batches(x, y, 8), batch_size=32)
+    assert layer.calls == 0

@@ -699,6 +699,16 @@ def fit_with_oom_retry(
     `validation_batch_size`). When the run gives up, the model keeps the weights and
     optimizer state it had when the failed epoch began.
 
+    Inputs: the retried epoch reads the batches the failed attempt read, in the same order.
+    Arrays, a PyDataset and a torch DataLoader are read again; the host RNGs that shuffle
+    them (Python's, NumPy's, torch's and the DataLoader's own) are restored to their state at
+    the start of the failed epoch. A Python generator cannot be rewound: its batches are
+    kept from the start of each epoch (by reference, up to 1 GiB per epoch) and fed again.
+    Not replayed exactly: arrays shuffled on TensorFlow (`tf.random` ops) and a
+    `tf.data.Dataset` that reshuffles each iteration (the retry gets a new order of the same
+    examples); a PyDataset whose `__getitem__` is not deterministic. Refused before any step:
+    `validation_data` as a generator.
+
     Callback contract: one set of callbacks serves the whole run. `on_train_begin` and
     `on_train_end` are called once; `on_epoch_end` once per completed epoch, so `History`,
     `EarlyStopping`, `ModelCheckpoint`, `ReduceLROnPlateau` see every epoch once. A failed
@@ -725,10 +735,14 @@ def fit_with_oom_retry(
 
     Raises:
         TypeError: `model` is not a Keras model, or a bad argument type.
-        ValueError: the model is not compiled, or an argument is out of range.
+        ValueError: the model is not compiled, an argument is out of range
+            (`min_batch_size` above the batch size included), or `validation_data` is a
+            generator.
         RuntimeError: out of memory again with micro-batches below `min_batch_size`, after
             `max_retries` recoveries, or on a model that can be neither micro-batched nor
-            given smaller batches with gradient accumulation; the message
+            given smaller batches with gradient accumulation (a subclassed model without
+            the train step whose loss has reduction="sum", or "mean_with_sample_weight" with
+            sample weights), or when a generator's epoch was too large to keep; the message
             lists what was tried, and the last OOM error is its `__cause__`. Also at the start
             under a multi-worker `MultiWorkerMirroredStrategy`, which it does not support.
 

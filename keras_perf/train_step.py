@@ -201,10 +201,16 @@ class LossScaleTrainStep(_backend.TrainStepBase):
     - skipping of any step whose gradients are not finite: weights, optimizer slots and
       `optimizer.iterations` stay exactly as they were (and the scale backs off);
     - `microbatches=k`: each batch is cut into k slices inside the compiled step and their
-      gradients are accumulated, weighted by slice size, into one optimizer update equal to the
-      full-batch update. Peak activation memory drops about k-fold; the effective batch, the
-      number of optimizer steps and the learning-rate schedule do not change. A batch with
-      fewer than k examples (say, a short last batch) is cut into fewer slices;
+      gradients are accumulated into one optimizer update equal to the full-batch update, for
+      every loss reduction, sample and class weights, several outputs and `loss_weights`
+      (each loss term of a slice is divided by the whole batch's normaliser); the logged
+      loss, per-output losses, metrics and `grad_norm` are the full batch's. Peak activation
+      memory drops about k-fold; the effective batch, the number of optimizer steps and the
+      learning-rate schedule do not change. A batch with fewer than k examples (say, a short
+      last batch) is cut into fewer slices. What cannot be split exactly is refused with a
+      `ValueError` at the first step (docs/train_step.md): reduction `"none"`, a masked
+      output under a normalising reduction, `add_loss()` in `call()`, and an overridden
+      `compute_loss` unless the class sets `compute_loss_reduction = "sum_over_batch_size"`;
     - `clipnorm`: clipping of the global norm of the *unscaled* gradients.
 
     The logs gain `grad_norm` (mean global norm of the unscaled gradients over this epoch's
@@ -228,7 +234,8 @@ class LossScaleTrainStep(_backend.TrainStepBase):
         **kwargs: Passed on to `keras.Model`.
 
     Raises:
-        TypeError: `microbatches` or `dynamic_growth_steps` is not an int.
+        TypeError: `microbatches` or `dynamic_growth_steps` is not an int; or, when the class
+            is created, the mixin is listed after `keras.Model` in its bases.
         ValueError: `microbatches` < 1, `clipnorm` <= 0, `initial_scale` <= 0 or
             `dynamic_growth_steps` < 1.
 

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import hypothesis as hyp
+import hypothesis.strategies as st
 import keras
 import numpy as np
 import pytest
@@ -88,7 +90,9 @@ def test_batch_smaller_than_microbatches_uses_fewer_slices():
     assert _max_diff(ref, model) < 1e-6
 
 
-@pytest.mark.parametrize("batch, k, expected", [(10, 4, (3, 4)), (7, 4, (2, 4)), (5, 4, (2, 3)), (8, 1, (8, 1))])
+@pytest.mark.parametrize(
+    "batch, k, expected", [(10, 4, (3, 4)), (7, 4, (2, 4)), (5, 4, (2, 3)), (8, 1, (8, 1))]
+)
 def test_slice_sizes_never_leave_an_empty_slice(batch, k, expected):
     model = kp.loss_scaled(_mlp(), microbatches=k)
     size, count = model._kp_slice_size(batch)
@@ -354,7 +358,11 @@ def test_overflow_injected_during_fit_on_digits_still_converges(digits):
     keras.mixed_precision.set_global_policy("mixed_float16")
     keras.utils.set_random_seed(0)
     base = keras.Sequential(
-        [keras.Input((64,)), keras.layers.Dense(64, activation="relu"), keras.layers.Dense(10, dtype="float32")]
+        [
+            keras.Input((64,)),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(10, dtype="float32"),
+        ]
     )
     model = kp.loss_scaled(base, microbatches=2)
     model.compile(keras.optimizers.Adam(0.01), SCE, metrics=["accuracy"])
@@ -436,3 +444,327 @@ def test_step_reads_metric_results_once_per_step(monkeypatch):
     assert logs["ours"][0] == logs["stock"][0]
     np.testing.assert_allclose(logs["ours"][1], logs["stock"][1], rtol=1e-5)
     np.testing.assert_allclose(logs["ours"][2], logs["stock"][2], rtol=1e-6)
+
+
+# -- micro-batching gives exactly the full-batch update ----------------------------------------
+# The reference is always stock Keras (keras.Model's own step) on the same model and data.
+
+
+def _reg_mlp(seed=0, n_in=6, n_out=3):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential(
+        [
+            keras.Input((n_in,)),
+            keras.layers.Dense(
+                8, activation="tanh", kernel_regularizer=keras.regularizers.L2(0.01)
+            ),
+            keras.layers.Dense(n_out, activity_regularizer=keras.regularizers.L2(0.001)),
+        ]
+    )
+
+
+def _stock_and_ours(builder, k, compile_kwargs, fit_kwargs, data, clipnorm=None):
+    # compile_kwargs["optimizer"] is a factory: each model gets its own optimizer.
+    ref = builder()
+    ref.compile(**{**compile_kwargs, "optimizer": compile_kwargs["optimizer"]()})
+    h_ref = ref.fit(*data, shuffle=False, verbose=0, **fit_kwargs)
+    ours = kp.loss_scaled(builder(), microbatches=k, clipnorm=clipnorm)
+    ours.compile(**{**compile_kwargs, "optimizer": compile_kwargs["optimizer"]()})
+    h = ours.fit(*data, shuffle=False, verbose=0, **fit_kwargs)
+    return ref, h_ref.history, ours, h.history
+
+
+@pytest.mark.parametrize(
+    "reduction", ["sum", "sum_over_batch_size", "mean", "mean_with_sample_weight"]
+)
+@pytest.mark.parametrize("k", [2, 3])
+def test_every_reduction_gives_the_full_batch_update(reduction, k):
+    # Regression: with reduction="sum", microbatches=2 halved the update (ratio exactly 0.5).
+    # Sample weights with unequal sums per slice; batch 10 cut 5+5 or 4+4+2; regularisers.
+    x, y = _data(n=20)
+    sw = np.linspace(0.1, 3.0, len(x)).astype("float32") ** 2
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=reduction)
+    ref, h_ref, ours, h = _stock_and_ours(
+        _reg_mlp,
+        k,
+        dict(optimizer=lambda: keras.optimizers.SGD(0.05), loss=loss, metrics=["accuracy"]),
+        dict(batch_size=10, epochs=2, sample_weight=sw),
+        (x, y),
+    )
+    assert _max_diff(ref, ours) < 1e-5
+    np.testing.assert_allclose(h["loss"], h_ref["loss"], rtol=1e-5)
+    np.testing.assert_allclose(h["accuracy"], h_ref["accuracy"], atol=1e-6)
+
+
+def _grad_norm(model, k, x, y, sw=None):
+    ours = kp.loss_scaled(model, microbatches=k)
+    ours.compile(keras.optimizers.SGD(0.0), keras.losses.MeanSquaredError(reduction="sum"))
+    logs = ours.train_on_batch(x, y, sample_weight=sw, return_dict=True)
+    return float(logs["grad_norm"]), float(logs["loss"])
+
+
+def test_sum_reduction_logs_full_batch_loss_and_grad_norm():
+    keras.utils.set_random_seed(0)
+    base = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(8, 3)).astype("float32"), rng.normal(size=(8, 1)).astype("float32")
+    w, b = (np.array(v, "float64") for v in base.get_weights())
+    err = x @ w + b - y
+    loss = float((err**2).sum())
+    norm = float(np.sqrt(((2 * x.T @ err) ** 2).sum() + ((2 * err.sum(0)) ** 2).sum()))
+    for k in (1, 2, 4):
+        got_norm, got_loss = _grad_norm(base, k, x, y)
+        np.testing.assert_allclose([got_norm, got_loss], [norm, loss], rtol=1e-5)
+
+
+def test_class_weight_gives_the_full_batch_update():
+    x, y = _data(n=24)
+    cw = {0: 0.2, 1: 1.0, 2: 5.0}
+    loss = keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True, reduction="mean_with_sample_weight"
+    )
+    ref, h_ref, ours, h = _stock_and_ours(
+        _mlp,
+        4,
+        dict(optimizer=lambda: keras.optimizers.Adam(0.01), loss=loss),
+        dict(batch_size=12, epochs=2, class_weight=cw),
+        (x, y),
+    )
+    assert _max_diff(ref, ours) < 1e-5
+    np.testing.assert_allclose(h["loss"], h_ref["loss"], rtol=1e-5)
+
+
+def _dict_model(seed=0):
+    keras.utils.set_random_seed(seed)
+    a = keras.Input((4,), name="a")
+    b = keras.Input((2,), name="b")
+    h = keras.layers.Dense(8, activation="tanh")(keras.layers.Concatenate()([a, b]))
+    return keras.Model(
+        {"a": a, "b": b},
+        {"reg": keras.layers.Dense(1, name="reg")(h), "cls": keras.layers.Dense(3, name="cls")(h)},
+    )
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_dict_in_dict_out_model_with_loss_weights_and_sample_weights(k):
+    # Regression: kp.loss_scaled rebuilt the model from the flat inputs/outputs, so a
+    # dict-output model failed with KeyError: 0 even at microbatches=1.
+    rng = np.random.default_rng(0)
+    n = 22
+    x = {
+        "a": rng.normal(size=(n, 4)).astype("float32"),
+        "b": rng.normal(size=(n, 2)).astype("float32"),
+    }
+    y = {"reg": rng.normal(size=(n, 1)).astype("float32"), "cls": rng.integers(0, 3, n)}
+    sw = {
+        "reg": rng.uniform(0.1, 2, n).astype("float32"),
+        "cls": rng.uniform(0, 3, n).astype("float32"),
+    }
+    compile_kwargs = dict(
+        optimizer=lambda: keras.optimizers.SGD(0.05),
+        loss={
+            "reg": keras.losses.MeanSquaredError(reduction="sum"),
+            "cls": keras.losses.SparseCategoricalCrossentropy(
+                from_logits=True, reduction="mean_with_sample_weight"
+            ),
+        },
+        loss_weights={"reg": 0.3, "cls": 2.0},
+        metrics={"cls": ["accuracy"]},
+    )
+    ref, h_ref, ours, h = _stock_and_ours(
+        _dict_model, k, compile_kwargs, dict(batch_size=10, epochs=2, sample_weight=sw), (x, y)
+    )
+    assert _max_diff(ref, ours) < 1e-5
+    for key in ("loss", "reg_loss", "cls_loss", "cls_accuracy"):
+        np.testing.assert_allclose(h[key], h_ref[key], rtol=1e-5, err_msg=key)
+    assert set(ours.output) == {"reg", "cls"} and set(ours.input) == {"a", "b"}
+
+
+def _embedding_model(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential(
+        [
+            keras.Input((5,), dtype="int32"),
+            keras.layers.Embedding(50, 4),
+            keras.layers.Flatten(),
+            keras.layers.Dense(3),
+        ]
+    )
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_embedding_gradients_accumulate_exactly(k):
+    # Regression (TF): IndexedSlices + IndexedSlices raised TypeError under microbatches > 1.
+    # Repeated token ids within and across slices; clipping reads the norm of the summed rows.
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 12, size=(24, 5)), rng.integers(0, 3, 24)
+
+    def compile_kwargs():
+        return dict(optimizer=keras.optimizers.Adam(0.01), loss=SCE)
+
+    one = kp.loss_scaled(_embedding_model(), microbatches=1, clipnorm=0.05)
+    one.compile(**compile_kwargs())
+    h1 = one.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    many = kp.loss_scaled(_embedding_model(), microbatches=k, clipnorm=0.05)
+    many.compile(**compile_kwargs())
+    h = many.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    assert _max_diff(one, many) < 1e-5
+    np.testing.assert_allclose(h.history["grad_norm"], h1.history["grad_norm"], rtol=1e-5)
+    assert h1.history["grad_norm"][0] > 0.05  # the clip was active
+    ref = _embedding_model()
+    ref.compile(**compile_kwargs())
+    ref.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    stock_once = kp.loss_scaled(_embedding_model(), microbatches=k)
+    stock_once.compile(**compile_kwargs())
+    stock_once.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert _max_diff(ref, stock_once) < 1e-5
+
+
+class CustomLoss(kp.LossScaleTrainStep, keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.out = keras.layers.Dense(1)
+
+    def call(self, x):
+        return self.out(x)
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        return keras.ops.mean(
+            keras.ops.square(keras.ops.subtract(y_pred, y))
+        ) + 0.1 * keras.ops.sum(keras.ops.square(self.out.kernel))
+
+
+class DeclaredCustomLoss(CustomLoss):
+    compute_loss_reduction = "sum_over_batch_size"
+
+
+def test_custom_compute_loss_refused_unless_declared_then_exact():
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(9, 3)).astype("float32"), rng.normal(size=(9, 1)).astype("float32")
+    model = CustomLoss(microbatches=2)
+    model.compile(keras.optimizers.SGD(0.1))
+    with pytest.raises(ValueError, match="compute_loss_reduction"):
+        model.train_on_batch(x, y)
+    results = []
+    for k in (1, 3):
+        keras.utils.set_random_seed(0)
+        model = DeclaredCustomLoss(microbatches=k)
+        model.compile(keras.optimizers.SGD(0.1))
+        logs = model.train_on_batch(x, y, return_dict=True)
+        results.append((model.get_weights(), float(logs["loss"])))
+    for a, b in zip(results[0][0], results[1][0]):
+        np.testing.assert_allclose(a, b, atol=1e-6)
+    np.testing.assert_allclose(results[0][1], results[1][1], rtol=1e-6)
+
+
+def test_unsplittable_losses_are_refused_with_the_reason():
+    x, y = _data(n=8)
+    model = kp.loss_scaled(_mlp(), microbatches=2)
+    model.compile(
+        "sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="none")
+    )
+    with pytest.raises(ValueError, match="reduction='none'|reduction='sum'"):
+        model.train_on_batch(x, y)
+
+    keras.utils.set_random_seed(0)
+    seq = keras.Sequential(
+        [
+            keras.Input((4,), dtype="int32"),
+            keras.layers.Embedding(10, 3, mask_zero=True),
+            keras.layers.Dense(1),
+        ]
+    )
+    masked = kp.loss_scaled(seq, microbatches=2)
+    masked.compile("sgd", "mse")
+    tokens = np.array([[1, 2, 0, 0]] * 4)
+    with pytest.raises(ValueError, match="masked"):
+        masked.train_on_batch(tokens, np.zeros((4, 4, 1), "float32"))
+
+
+class AddsLoss(keras.layers.Layer):
+    def call(self, x):
+        self.add_loss(keras.ops.sum(x))
+        return x
+
+
+def test_add_loss_in_call_is_refused():
+    keras.utils.set_random_seed(0)
+    base = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3), AddsLoss()])
+    model = kp.loss_scaled(base, microbatches=2)
+    model.compile("sgd", SCE)
+    x, y = _data(n=8)
+    with pytest.raises(ValueError, match="add_loss"):
+        model.train_on_batch(x, y)
+
+
+def test_loss_scaled_keeps_settings_of_a_model_that_has_the_step():
+    # Regression: re-wrapping reset microbatches to 1 and clipnorm to None silently.
+    model = kp.loss_scaled(_mlp(), microbatches=4, clipnorm=1.0)
+    assert kp.loss_scaled(model) is model
+    assert (model.microbatches, model.clipnorm) == (4, 1.0)
+    kp.loss_scaled(model, clipnorm=None)
+    assert (model.microbatches, model.clipnorm) == (4, None)
+    kp.loss_scaled(model, microbatches=2)
+    assert (model.microbatches, model.clipnorm) == (2, None)
+
+
+def test_mixin_listed_after_model_is_a_type_error():
+    # Regression: `class M(keras.Model, kp.LossScaleTrainStep)` silently used Keras' step.
+    with pytest.raises(TypeError, match="List the mixin first"):
+
+        class Wrong(keras.Model, kp.LossScaleTrainStep):
+            pass
+
+
+def test_unbatched_dataset_is_a_clear_error():
+    import tensorflow as tf
+
+    x, y = _data(n=8)
+    model = kp.loss_scaled(_mlp(), microbatches=2)
+    model.compile("sgd", SCE)
+    # TensorFlow reaches our step first (it used to fail inside TF's slicing); JAX and torch
+    # build the model symbolically before, and Keras' own shape error comes first there.
+    expected = r"dataset\.batch" if BACKEND == "tensorflow" else "Invalid input shape"
+    with pytest.raises(ValueError, match=expected):
+        model.fit(tf.data.Dataset.from_tensor_slices((x, y)), epochs=1, shuffle=False, verbose=0)
+    assert int(model.optimizer.iterations) == 0
+
+
+# -- property: for random losses, reductions, weights and k, the update is the full batch's -----
+_REDUCTIONS = ["sum", "sum_over_batch_size", "mean", "mean_with_sample_weight"]
+
+
+@hyp.settings(max_examples=20, deadline=None, derandomize=True)
+@hyp.given(
+    loss_name=st.sampled_from(["mse", "mae", "huber"]),
+    reduction=st.sampled_from(_REDUCTIONS),
+    k=st.integers(1, 5),
+    batch=st.integers(1, 11),
+    weighted=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_property_microbatched_update_equals_full_batch(
+    loss_name, reduction, k, batch, weighted, seed
+):
+    losses = {
+        "mse": keras.losses.MeanSquaredError,
+        "mae": keras.losses.MeanAbsoluteError,
+        "huber": keras.losses.Huber,
+    }
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(batch, 3)).astype("float32")
+    y = rng.normal(size=(batch, 2)).astype("float32")
+    sw = rng.uniform(0.0, 3.0, batch).astype("float32") if weighted else None
+
+    def build():
+        keras.utils.set_random_seed(seed)
+        return keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, kernel_regularizer="l2")])
+
+    logs, weights = [], []
+    for model in (build(), kp.loss_scaled(build(), microbatches=k)):
+        model.compile(keras.optimizers.SGD(0.1), losses[loss_name](reduction=reduction))
+        logs.append(float(model.train_on_batch(x, y, sample_weight=sw, return_dict=True)["loss"]))
+        weights.append(model.get_weights())
+    for a, b in zip(*weights):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    np.testing.assert_allclose(logs[0], logs[1], rtol=1e-5, atol=1e-6)

@@ -22,9 +22,11 @@ import jax
 import keras
 from keras import ops
 
-# Private import: Keras' scope for running stateful Keras code on explicit state values
-# (what Keras' own JAX trainer uses; checked on Keras 3.8-3.15).
+# Private imports: Keras' scope for running stateful Keras code on explicit state values (what
+# Keras' own JAX trainer uses) and its reader of the masks kept beside arrays; checked on
+# Keras 3.8-3.15.
 from keras.src.backend import StatelessScope
+from keras.src.backend.common.masking import get_keras_mask
 
 from keras_perf._utils import (
     all_finite,
@@ -50,35 +52,51 @@ class TrainStep:
     _kp_sum_of_squares = staticmethod(sum_of_squares)
     _kp_all_finite = staticmethod(all_finite)
     _kp_update_step_metrics = update_step_metrics
+    _kp_get_mask = staticmethod(get_keras_mask)
+
+    @staticmethod
+    def _kp_scale_for_distribution(loss):
+        return loss  # tf.distribute only
+
+    def _kp_build_compile_loss(self, y, y_pred, sample_weight):
+        pass  # Keras builds it symbolically before the first step on JAX
 
     def train_step(self, state, data):
         with training_step():
             return self._kp_train_step(state, data)
 
-    def _kp_grad_fn(self, weight):
-        def weighted(*args, **kwargs):
-            loss, aux = self.compute_loss_and_updates(*args, **kwargs)
-            return loss * weight, aux
+    def _kp_slice_grads(
+        self, trainable, non_trainable, metrics_vars, optimizer_vars, x, y, sw, whole=None
+    ):
+        """Gradients of one slice; returns (grads, non_trainable, metrics_vars).
 
-        return jax.value_and_grad(weighted, has_aux=True)
-
-    def _kp_slice(self, trainable, non_trainable, metrics_vars, optimizer_vars, x, y, sw, weight):
-        """Gradients of one slice; returns (grads, non_trainable, metrics_vars)."""
-        (_, aux), grads = self._kp_grad_fn(weight)(
-            trainable,
-            non_trainable,
-            metrics_vars,
-            x,
-            y,
-            sw,
-            training=True,
-            optimizer_variables=optimizer_vars,
-        )
+        `whole` is (batch size, sample weights) of the batch this slice was cut from, or None
+        for an uncut batch (the stock loss).
+        """
+        grad_fn = jax.value_and_grad(self.compute_loss_and_updates, has_aux=True)
+        args = (trainable, non_trainable, metrics_vars, x, y, sw)
+        if whole is None:
+            (_, aux), grads = grad_fn(*args, training=True, optimizer_variables=optimizer_vars)
+            ctx = None
+        else:
+            with self._kp_slice(whole[0], int(first_tensor(x).shape[0]), whole[1]) as ctx:
+                (_, aux), grads = grad_fn(*args, training=True, optimizer_variables=optimizer_vars)
         unscaled_loss, y_pred, non_trainable, metrics_vars = aux
-        with metric_results_deferred():  # read once, at the end of the step
-            _, metrics_vars = self._update_metrics_variables(
-                metrics_vars, unscaled_loss, x, y, y_pred, sw
-            )
+        mapping = list(zip(self.metrics_variables, metrics_vars))
+        with StatelessScope(state_mapping=mapping) as scope, metric_results_deferred():
+            # Keras' _update_metrics_variables, with the slice's loss tracked so that the
+            # slices add up to the whole batch's entry; results read once, at the end.
+            if ctx is None:
+                self._loss_tracker.update_state(
+                    unscaled_loss, sample_weight=first_tensor(x).shape[0]
+                )
+            else:
+                self._kp_track_loss(unscaled_loss, ctx)
+            self.compute_metrics(x, y, y_pred, sw)
+        metrics_vars = [
+            scope.get_current_value(v) if scope.get_current_value(v) is not None else value
+            for v, value in mapping
+        ]
         return grads, non_trainable, metrics_vars
 
     def _kp_train_step(self, state, data):
@@ -89,11 +107,14 @@ class TrainStep:
         full = batch // size  # slices of exactly `size`
         rest = batch - full * size
 
-        if full == 1 and rest == 0:
-            grads, non_trainable, metrics_vars = self._kp_slice(
-                trainable, non_trainable, metrics_vars, optimizer_vars, x, y, sw, 1.0
+        if self.microbatches == 1:
+            grads, non_trainable, metrics_vars = self._kp_slice_grads(
+                trainable, non_trainable, metrics_vars, optimizer_vars, x, y, sw
             )
         else:
+            self._kp_check_microbatching(data)
+            whole = (batch, sw)
+
             def split(t):
                 return t[: full * size].reshape((full, size) + t.shape[1:])
 
@@ -101,7 +122,7 @@ class TrainStep:
 
             def body(carry, sl):
                 acc, ntv, mv = carry
-                g, ntv, mv = self._kp_slice(trainable, ntv, mv, optimizer_vars, *sl, size / batch)
+                g, ntv, mv = self._kp_slice_grads(trainable, ntv, mv, optimizer_vars, *sl, whole)
                 return (jax.tree_util.tree_map(jax.numpy.add, acc, g), ntv, mv), None
 
             zeros = jax.tree_util.tree_map(jax.numpy.zeros_like, trainable)
@@ -110,17 +131,21 @@ class TrainStep:
             )
             if rest:
                 tail = map_batch(lambda t: t[full * size :], (x, y, sw))
-                g, non_trainable, metrics_vars = self._kp_slice(
-                    trainable, non_trainable, metrics_vars, optimizer_vars, *tail, rest / batch
+                g, non_trainable, metrics_vars = self._kp_slice_grads(
+                    trainable, non_trainable, metrics_vars, optimizer_vars, *tail, whole
                 )
                 grads = jax.tree_util.tree_map(jax.numpy.add, grads, g)
 
         lso = self.loss_scale_optimizer
-        scale_index = _index(self.optimizer.variables, lso.dynamic_scale) if lso is not None else None
+        scale_index = (
+            _index(self.optimizer.variables, lso.dynamic_scale) if lso is not None else None
+        )
         scale = optimizer_vars[scale_index] if lso is not None else None
         grads, finite, norm = self._kp_process_gradients(grads, scale)
         if lso is not None:
-            trainable, optimizer_vars = self.optimizer.stateless_apply(optimizer_vars, grads, trainable)
+            trainable, optimizer_vars = self.optimizer.stateless_apply(
+                optimizer_vars, grads, trainable
+            )
         else:
             old = (trainable, optimizer_vars)
             trainable, optimizer_vars = ops.cond(

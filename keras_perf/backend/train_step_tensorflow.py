@@ -14,9 +14,12 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-# Private import: Keras divides the loss by the replica count under tf.distribute and tracks
-# the undivided value; this is its helper for that (checked on Keras 3.8-3.15).
-from keras.src.losses.loss import unscale_loss_for_distribution
+# Private imports: Keras divides the loss by the replica count under tf.distribute and tracks
+# the undivided value (its helpers for both), and keeps masks beside tensors (its reader);
+# checked on Keras 3.8-3.15.
+from keras.src.backend import compute_output_spec
+from keras.src.backend.common.masking import get_keras_mask
+from keras.src.losses.loss import scale_loss_for_distribution, unscale_loss_for_distribution
 
 from keras_perf._utils import (
     all_finite,
@@ -55,7 +58,10 @@ def _all_reduce(grads):
 
 def _apply_if_finite(optimizer, finite, grads, variables):
     """`optimizer.apply` only when `finite`, also under strategies that need a merge call."""
-    if not tf.distribute.has_strategy() or tf.__internal__.distribute.strategy_supports_no_merge_call():
+    if (
+        not tf.distribute.has_strategy()
+        or tf.__internal__.distribute.strategy_supports_no_merge_call()
+    ):
         ops.cond(finite, lambda: optimizer.apply(grads, variables), lambda: None)
         return
 
@@ -72,11 +78,29 @@ def _apply_if_finite(optimizer, finite, grads, variables):
     tf.distribute.get_replica_context().merge_call(cross_replica, args=(finite, grads))
 
 
+def _coalesce(grads):
+    """Sparse gradients (IndexedSlices) replaced by their rows with duplicates summed.
+
+    Returns (gradients, {position: original IndexedSlices}). The segment sum runs over the
+    rows looked up, not a vocabulary-sized dense tensor, and lets the norm and the finiteness
+    test see the true gradient.
+    """
+    sparse, out = {}, list(grads)
+    for j, g in enumerate(grads):
+        if isinstance(g, tf.IndexedSlices):
+            unique, position = tf.unique(g.indices)
+            out[j] = tf.math.unsorted_segment_sum(g.values, position, tf.shape(unique)[0])
+            sparse[j] = g
+    return out, sparse
+
+
 class TrainStep:
     """TensorFlow `train_step(data)`; mixed into `kp.LossScaleTrainStep`."""
 
     _kp_all_finite = staticmethod(all_finite)
     _kp_update_step_metrics = update_step_metrics
+    _kp_get_mask = staticmethod(get_keras_mask)
+    _kp_scale_for_distribution = staticmethod(scale_loss_for_distribution)
 
     @staticmethod
     def _kp_sum_of_squares(tensors):
@@ -104,21 +128,46 @@ class TrainStep:
             iterator = None
         return super()._maybe_symbolic_build(iterator=iterator, data_batch=data_batch)
 
-    def _kp_slice_loss(self, x, y, sample_weight, weight):
-        """Forward one slice; returns (scaled weighted loss, y_pred) and updates the loss tracker."""
+    def _kp_build_compile_loss(self, y, y_pred, sample_weight):
+        # Without a tf.distribute strategy Keras builds the compiled loss on its first call,
+        # inside the traced step; build it symbolically (no graph ops, no metric updates) so
+        # that its terms can be read before the first slice's loss is computed.
+        compile_loss = self._compile_loss
+        if compile_loss.built:
+            return
+
+        def spec(t):
+            return keras.KerasTensor(t.shape, keras.backend.standardize_dtype(t.dtype))
+
+        compute_output_spec(compile_loss, *map_batch(spec, (y, y_pred, sample_weight)))
+
+    def _kp_slice_loss(self, x, y, sample_weight, ctx):
+        """Forward one slice; returns (scaled loss, y_pred) and updates the loss tracker.
+
+        With `ctx` (a cut batch), the loss is the slice's exact share of the full-batch loss
+        (see `LossScaleTrainStep._compute_loss`); without, the stock loss of the whole batch.
+        """
         y_pred = self(x, training=True) if self._call_has_training_arg else self(x)
-        loss = self._compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True)
-        self._loss_tracker.update_state(
-            unscale_loss_for_distribution(loss), sample_weight=tf.shape(first_tensor(x))[0]
+        loss = self._compute_loss(
+            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
         )
-        scaled = loss * tf.cast(weight, loss.dtype)
-        if self.optimizer is not None:
-            scaled = self.optimizer.scale_loss(scaled)
+        if ctx is None:
+            self._loss_tracker.update_state(
+                unscale_loss_for_distribution(loss), sample_weight=tf.shape(first_tensor(x))[0]
+            )
+        else:
+            self._kp_track_loss(unscale_loss_for_distribution(loss), ctx)
+        scaled = self.optimizer.scale_loss(loss) if self.optimizer is not None else loss
         return scaled, y_pred
 
-    def _kp_slice_grads(self, x, y, sample_weight, weight):
+    def _kp_slice_grads(self, x, y, sample_weight, batch=None, full_sample_weight=None):
         with tf.GradientTape() as tape:
-            scaled, y_pred = self._kp_slice_loss(x, y, sample_weight, weight)
+            if batch is None:
+                scaled, y_pred = self._kp_slice_loss(x, y, sample_weight, None)
+            else:
+                size = tf.shape(first_tensor(x))[0]
+                with self._kp_slice(batch, size, full_sample_weight) as ctx:
+                    scaled, y_pred = self._kp_slice_loss(x, y, sample_weight, ctx)
         # Read after the forward pass: a subclassed model creates its weights on first call.
         variables = self.trainable_weights
         grads = tape.gradient(scaled, variables) if variables else []
@@ -126,53 +175,73 @@ class TrainStep:
             self.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
         return grads, variables
 
+    def _kp_accumulate(self, x, y, sample_weight):
+        """Gradients of the whole batch, accumulated over its slices in a `tf.while_loop`."""
+        batch = tf.shape(first_tensor(x))[0]
+        size, count = self._kp_slice_size(batch)
+
+        def cut(start):
+            stop = tf.minimum(start + size, batch)
+            return map_batch(lambda t: t[start:stop], (x, y, sample_weight))
+
+        # The first slice, traced outside the loop: it tells which variables get no gradient
+        # (None) and which get sparse ones (IndexedSlices, from Embedding lookups).
+        grads, variables = self._kp_slice_grads(*cut(0), batch, sample_weight)
+        connected = [i for i, g in enumerate(grads) if g is not None]
+        sparse = [i for i in connected if isinstance(grads[i], tf.IndexedSlices)]
+        dense = [i for i in connected if i not in sparse]
+
+        def rows(i, arrays, g):
+            # Sparse gradients are accumulated by concatenating their rows (values, indices),
+            # never densified: memory grows with the rows looked up, not with the vocabulary.
+            return [
+                (v.write(i, g[j].values), r.write(i, g[j].indices))
+                for (v, r), j in zip(arrays, sparse)
+            ]
+
+        def body(i, acc, arrays):
+            g, _ = self._kp_slice_grads(*cut(i * size), batch, sample_weight)
+            return i + 1, [a + g[j] for a, j in zip(acc, dense)], rows(i, arrays, g)
+
+        arrays = [
+            (
+                tf.TensorArray(grads[j].values.dtype, size=count, infer_shape=False),
+                tf.TensorArray(grads[j].indices.dtype, size=count, infer_shape=False),
+            )
+            for j in sparse
+        ]
+        arrays = rows(0, arrays, grads)
+        # One slice at a time. The slices do not depend on each other, so TensorFlow's
+        # executor would otherwise overlap them: up to 10 loop iterations at once by default,
+        # and the first iteration with the first slice, whose gradients only the first
+        # accumulation waits for. Each overlap keeps one more slice's activations.
+        first = [grads[j] for j in dense] + [a.flow for pair in arrays for a in pair]
+        with tf.control_dependencies(first):
+            first_index = tf.identity(tf.constant(1, count.dtype))
+        _, acc, arrays = tf.while_loop(
+            lambda i, *_: i < count,
+            body,
+            (first_index, [grads[j] for j in dense], arrays),
+            parallel_iterations=1,
+        )
+        out = [None] * len(grads)
+        for j, a in zip(dense, acc):
+            out[j] = a
+        for j, (v, r) in zip(sparse, arrays):
+            out[j] = tf.IndexedSlices(v.concat(), r.concat(), grads[j].dense_shape)
+        return out, variables
+
     def train_step(self, data):
         with training_step():
             return self._kp_train_step(data)
 
     def _kp_train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
-        batch = tf.shape(first_tensor(x))[0]
-        size, count = self._kp_slice_size(batch)
-        batch_f = tf.cast(batch, "float32")
-
-        def slice_weight(start):
-            stop = tf.minimum(start + size, batch)
-            return stop, tf.cast(stop - start, "float32") / batch_f
-
-        # The first slice (the whole batch when microbatches == 1).
-        stop, weight = slice_weight(0)
         if self.microbatches == 1:
-            grads, variables = self._kp_slice_grads(x, y, sample_weight, 1.0)
+            grads, variables = self._kp_slice_grads(x, y, sample_weight)
         else:
-            first = map_batch(lambda t: t[:stop], (x, y, sample_weight))
-            grads, variables = self._kp_slice_grads(*first, weight)
-        connected = [i for i, g in enumerate(grads) if g is not None]
-
-        if self.microbatches > 1:
-
-            def body(i, acc):
-                start = i * size
-                stop, weight = slice_weight(start)
-                sl = map_batch(lambda t: t[start:stop], (x, y, sample_weight))
-                g, _ = self._kp_slice_grads(*sl, weight)
-                return i + 1, [a + g[j] for a, j in zip(acc, connected)]
-
-            # One slice at a time. The slices do not depend on each other, so TensorFlow's
-            # executor would otherwise overlap them: up to 10 loop iterations at once by
-            # default, and the first iteration with the first slice, whose gradients only the
-            # first accumulation waits for. Each overlap keeps one more slice's activations.
-            with tf.control_dependencies([grads[j] for j in connected]):
-                first_index = tf.identity(tf.constant(1, count.dtype))
-            _, acc = tf.while_loop(
-                lambda i, _: i < count,
-                body,
-                (first_index, [grads[j] for j in connected]),
-                parallel_iterations=1,
-            )
-            grads = [None] * len(grads)
-            for j, a in zip(connected, acc):
-                grads[j] = a
+            self._kp_check_microbatching(data)
+            grads, variables = self._kp_accumulate(x, y, sample_weight)
 
         if not variables:
             warnings.warn("The model does not have any trainable weights.", stacklevel=2)
@@ -185,10 +254,28 @@ class TrainStep:
                     lso.build(variables)
             scale = lso.dynamic_scale if lso is not None else None
             grads, replicas = _all_reduce(grads)
+            grads, sparse = _coalesce(grads)
             grads, finite, norm = self._kp_process_gradients(grads, scale)
+            # The optimizer gets the sparse gradients' rows as the full batch has them (not
+            # coalesced: Keras' sparse optimizer updates, e.g. Adam's, depend on the rows),
+            # clipped by the factor that _kp_process_gradients applied to the dense ones.
+            factor = 1.0
+            if self.clipnorm is not None:
+                factor = self.clipnorm / tf.maximum(norm, self.clipnorm)
+            for j, g in sparse.items():
+                grads[j] = tf.IndexedSlices(
+                    g.values * tf.cast(factor, g.values.dtype), g.indices, g.dense_shape
+                )
             if replicas > 1:
                 # The optimizer sums the replicas' gradients again: hand it 1/N of the sum.
-                grads = [None if g is None else g / replicas for g in grads]
+                grads = [
+                    None
+                    if g is None
+                    else tf.IndexedSlices(g.values / replicas, g.indices, g.dense_shape)
+                    if isinstance(g, tf.IndexedSlices)
+                    else g / replicas
+                    for g in grads
+                ]
             pairs = [(g, v) for g, v in zip(grads, variables) if g is not None]
             grads, applied = [g for g, _ in pairs], [v for _, v in pairs]
             if lso is not None:

@@ -6,10 +6,14 @@ gradient into `.grad`, as gradient accumulation is written by hand in PyTorch.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import keras
 import torch
+
+# Private import: Keras' reader of the masks kept beside tensors (checked on Keras 3.8-3.15).
+from keras.src.backend.common.masking import get_keras_mask
 
 from keras_perf._utils import first_tensor, map_batch, metric_results_deferred, training_step
 
@@ -17,12 +21,23 @@ from keras_perf._utils import first_tensor, map_batch, metric_results_deferred, 
 class TrainStep:
     """PyTorch `train_step(data)`; mixed into `kp.LossScaleTrainStep`."""
 
+    _kp_get_mask = staticmethod(get_keras_mask)
+
+    @staticmethod
+    def _kp_scale_for_distribution(loss):
+        return loss  # tf.distribute only
+
+    def _kp_build_compile_loss(self, y, y_pred, sample_weight):
+        pass  # Keras builds it symbolically before the first step on PyTorch
+
     @staticmethod
     def _kp_sum_of_squares(tensors):
         # torch directly: each keras.ops call costs tens of microseconds of Python on eager
         # torch (the generic version makes three per tensor). The pass over the gradients
         # itself stays: about 3 % of a 784-1024-1024-10 MLP step on 2 CPU cores.
-        flat = [t.reshape(-1) if t.dtype == torch.float32 else t.reshape(-1).float() for t in tensors]
+        flat = [
+            t.reshape(-1) if t.dtype == torch.float32 else t.reshape(-1).float() for t in tensors
+        ]
         return torch.stack([torch.vdot(t, t) for t in flat]).sum()
 
     @staticmethod
@@ -56,19 +71,28 @@ class TrainStep:
         variables = self.trainable_weights[:]
         batch = int(first_tensor(x).shape[0])
         size, count = self._kp_slice_size(batch)
+        if self.microbatches > 1:
+            self._kp_check_microbatching(data)
         self.zero_grad()
         for i in range(count):
             start, stop = i * size, min((i + 1) * size, batch)
-            if count == 1:
+            if self.microbatches == 1:
                 xs, ys, sws = x, y, sample_weight
+                ctx = contextlib.nullcontext()
             else:
                 xs, ys, sws = map_batch(lambda t, a=start, b=stop: t[a:b], (x, y, sample_weight))
-            y_pred = self(xs, training=True) if self._call_has_training_arg else self(xs)
-            loss = self._compute_loss(x=xs, y=ys, y_pred=y_pred, sample_weight=sws, training=True)
-            self._loss_tracker.update_state(loss, sample_weight=stop - start)
-            scaled = loss if count == 1 else loss * ((stop - start) / batch)
-            if self.optimizer is not None:
-                scaled = self.optimizer.scale_loss(scaled)
+                ctx = self._kp_slice(batch, stop - start, sample_weight)
+            with ctx as sl:
+                y_pred = self(xs, training=True) if self._call_has_training_arg else self(xs)
+                loss = self._compute_loss(
+                    x=xs, y=ys, y_pred=y_pred, sample_weight=sws, training=True
+                )
+                if sl is None:
+                    self._loss_tracker.update_state(loss, sample_weight=batch)
+                else:
+                    # The loss is this slice's exact share of the full-batch loss.
+                    self._kp_track_loss(loss, sl)
+            scaled = self.optimizer.scale_loss(loss) if self.optimizer is not None else loss
             if variables:
                 scaled.backward()
             with metric_results_deferred():  # read once, at the end of the step

@@ -638,7 +638,6 @@ def test_accumulation_route_keeps_the_full_batch_update_or_refuses(reduction, we
     assert _max_diff(model, ref) < 1e-5
 
 
-@pytest.mark.xfail(strict=True, reason="needs the train-step reduction fix")
 @pytest.mark.parametrize("weighted", [False, True])
 def test_micro_batched_route_keeps_the_full_batch_update_under_sum_reduction(weighted):
     x, y = _data(n=48)

@@ -10,6 +10,7 @@ package) just to log a handful of numbers once per epoch.
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import struct
@@ -90,26 +91,58 @@ def _frame(record: bytes) -> bytes:
     )
 
 
+def append_bytes(path: str, data: bytes) -> None:
+    """Append `data` to the file `path` whole, or not at all.
+
+    Unbuffered writes, looped until every byte is out. If one fails (disk full, I/O error),
+    the file is cut back to its length before the call, so a reader never meets half a
+    record (a torn JSON line, a TFRecord frame with a bad CRC), and the `OSError` is
+    re-raised. Where the cut itself fails (a device such as `/dev/full`), the error that
+    stopped the write is raised all the same.
+    """
+    with open(path, "ab", buffering=0) as f:
+        start = f.seek(0, os.SEEK_END)
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[f.write(view) :]
+        except OSError:
+            try:
+                f.truncate(start)
+            except OSError:
+                pass
+            raise
+
+
+_file_numbers = itertools.count(1)  # makes event file names unique within a process
+
+
 class ScalarWriter:
     """Appends scalar summaries to one TensorBoard event file in `log_dir`.
 
-    Each `write` opens the file, appends one event and flushes it, so a crash loses nothing
-    already written.
+    Each `write` appends one event to the file, unbuffered, so a crash loses nothing already
+    written; a write that fails raises `OSError` and leaves the file as it was (see
+    `append_bytes`).
     """
 
     def __init__(self, log_dir: str | os.PathLike) -> None:
         self.log_dir = os.fspath(log_dir)
         self.path = None
 
-    def _open(self) -> None:
+    def open(self) -> None:
+        """Create `log_dir` if needed and start a new event file there (its header event).
+
+        Raises:
+            OSError: the folder cannot be created or the file cannot be written.
+        """
         os.makedirs(self.log_dir, exist_ok=True)
         name = (
             f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}."
-            f"{os.getpid()}.{id(self)}.v2"
+            f"{os.getpid()}.{next(_file_numbers)}.v2"
         )
-        self.path = os.path.join(self.log_dir, name)
-        with open(self.path, "ab") as f:
-            f.write(_frame(_event(time.time(), 0, file_version="brain.Event:2")))
+        path = os.path.join(self.log_dir, name)
+        append_bytes(path, _frame(_event(time.time(), 0, file_version="brain.Event:2")))
+        self.path = path
 
     def write(self, step: int, scalars: dict) -> None:
         """Append the finite numbers in `scalars` (tag -> value) at `step`."""
@@ -121,10 +154,8 @@ class ScalarWriter:
         if not values:
             return
         if self.path is None:
-            self._open()
-        with open(self.path, "ab") as f:
-            f.write(_frame(_event(time.time(), step, scalars=values)))
-            f.flush()
+            self.open()
+        append_bytes(self.path, _frame(_event(time.time(), step, scalars=values)))
 
 
 def read_scalars(path: str | os.PathLike) -> list[tuple[int, str, float]]:

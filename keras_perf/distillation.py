@@ -83,6 +83,190 @@ def _output_shape(model):
     return tuple(outputs[0].shape)
 
 
+def _nested_layers(model) -> list:
+    """`model` and every layer inside it, depth first (through nested models' `layers`)."""
+    out, stack, seen = [], [model], set()
+    while stack:
+        layer = stack.pop()
+        if id(layer) in seen:
+            continue
+        seen.add(id(layer))
+        out.append(layer)
+        stack.extend(reversed(list(getattr(layer, "layers", None) or ())))
+    return out
+
+
+def _check_not_shared(student, teacher) -> None:
+    """Raise if the student and a teacher share a layer or a variable.
+
+    The teacher is frozen (`trainable = False`); a layer it shares with the student would be
+    frozen in the student too, and its weights would silently stop training.
+    """
+    teacher_layers = {id(layer): layer for layer in _nested_layers(teacher)}
+    for layer in _nested_layers(student):
+        if id(layer) in teacher_layers:
+            what = (
+                "is the teacher" if layer is teacher else f"is a layer of teacher '{teacher.name}'"
+            )
+            raise ValueError(
+                f"The student '{student.name}' contains layer '{layer.name}', which {what}. "
+                "The teacher is frozen, so the student's copy would be frozen too and never "
+                "train. Give the student its own layers (e.g. `keras.models.clone_model(...)` "
+                "for a part taken from the teacher, with `set_weights` to start from the "
+                "teacher's values)."
+            )
+    teacher_vars = {id(v): v for v in teacher.weights}
+    for v in student.weights:
+        if id(v) in teacher_vars:
+            raise ValueError(
+                f"The student '{student.name}' and teacher '{teacher.name}' share the variable "
+                f"'{v.path}'. The teacher is frozen, so this weight would never train in the "
+                "student. Give the student its own variables."
+            )
+
+
+def _output_structure_problem(output) -> str | None:
+    """Why `output` (a model's output structure) is not one tensor, or None."""
+    if isinstance(output, dict):
+        return f"a dict of outputs (keys {sorted(map(str, output))})"
+    if isinstance(output, (list, tuple)) and len(output) != 1:
+        return f"{len(output)} outputs"
+    return None
+
+
+def _multi_output_error(model_name: str, role: str, problem: str) -> ValueError:
+    return ValueError(
+        f"The {role} '{model_name}' has {problem}; DistillationModel distils one output "
+        "(class axis last). Distil each head with its own DistillationModel over a model that "
+        "outputs that head alone (e.g. `keras.Model(m.inputs, m.outputs[i])`)."
+    )
+
+
+def _check_one_tensor(output, model_name: str, role: str) -> None:
+    """At the first batch: refuse what `_check_single_output` could not see before."""
+    problem = _output_structure_problem(output)
+    if problem is None and isinstance(output, (list, tuple)):
+        problem = "a list of one output"
+    if problem is not None:
+        raise _multi_output_error(model_name, role, problem)
+
+
+def _check_single_output(model, role: str) -> None:
+    """Refuse a Functional model with several outputs or a dict output (known at build)."""
+    try:
+        output = model.output
+    except (AttributeError, ValueError, RuntimeError):
+        return  # not built / subclassed: checked on the first batch (compute_loss)
+    problem = _output_structure_problem(output)
+    if problem is not None:
+        raise _multi_output_error(model.name, role, problem)
+
+
+# Layers that pass values through unchanged (up to shape) at inference: the output's nature
+# (logits or probabilities) is the one of the layer before them.
+_PASSTHROUGH = (
+    keras.layers.Reshape,
+    keras.layers.Flatten,
+    keras.layers.Dropout,
+    keras.layers.Identity,
+    keras.layers.Permute,
+    keras.layers.GaussianNoise,
+    keras.layers.GaussianDropout,
+    keras.layers.AlphaDropout,
+    keras.layers.ActivityRegularization,
+)
+# Layers whose output is an affine function of their input when `activation` is linear.
+_AFFINE = (
+    keras.layers.Dense,
+    keras.layers.EinsumDense,
+    keras.layers.Conv1D,
+    keras.layers.Conv2D,
+    keras.layers.Conv3D,
+)
+
+
+def _activation_name(layer) -> str | None:
+    if isinstance(layer, keras.layers.Softmax):
+        return "softmax"
+    fn = getattr(layer, "activation", None)
+    if fn is None:
+        return None
+    try:
+        name = keras.activations.serialize(fn)
+    except (ValueError, TypeError):
+        return None
+    return name if isinstance(name, str) else None
+
+
+def _producer(model, tensor):
+    """The layer of `model` whose (single) output is `tensor`, or None."""
+    for layer in getattr(model, "layers", None) or ():
+        try:
+            if layer.output is tensor:
+                return layer
+        except (AttributeError, ValueError, RuntimeError):  # unbuilt or called several times
+            continue
+    return None
+
+
+def _output_kind(model, depth: int = 0) -> tuple[str | None, str | None]:
+    """("probabilities" | "logits" | None, layer description) from the output layer's config.
+
+    `None` when it cannot be told for certain (subclassed or unbuilt models, custom or
+    Lambda layers, several outputs).
+    """
+    try:
+        outputs = model.outputs
+    except (AttributeError, ValueError, RuntimeError):
+        return None, None
+    if not outputs or len(outputs) != 1 or depth > 8:
+        return None, None
+    layer = _producer(model, outputs[0])
+    while layer is not None:
+        if isinstance(layer, keras.Model):
+            return _output_kind(layer, depth + 1)
+        name = _activation_name(layer)
+        where = f"layer '{layer.name}' ({type(layer).__name__}"
+        where += ")" if isinstance(layer, keras.layers.Softmax) else f", activation {name!r})"
+        if name in ("softmax", "sigmoid"):
+            return "probabilities", where
+        if name == "linear" and isinstance(layer, _AFFINE):
+            return "logits", where
+        if name == "log_softmax":
+            return "logits", where
+        if isinstance(layer, _PASSTHROUGH) or (
+            isinstance(layer, keras.layers.Activation) and name == "linear"
+        ):
+            try:
+                layer = _producer(model, layer.input)
+            except (AttributeError, ValueError, RuntimeError):
+                return None, None
+            continue
+        return None, None
+    return None, None
+
+
+def _check_from_logits(model, role: str, from_logits: bool) -> None:
+    """Raise when the output layer's config contradicts `from_logits`."""
+    kind, where = _output_kind(model)
+    if kind == "probabilities" and from_logits:
+        raise ValueError(
+            f"The {role} '{model.name}' outputs probabilities: its output {where} ends in a "
+            "probability activation, but `from_logits=True` treats outputs as logits, so the "
+            "soft targets would be softened twice (wrong targets, no error). Pass "
+            "`from_logits=False` (both models then output probabilities), or build the model "
+            "without the final softmax (e.g. `keras.applications.*(classifier_activation="
+            "None)`) for logits."
+        )
+    if kind == "logits" and not from_logits:
+        raise ValueError(
+            f"The {role} '{model.name}' outputs logits: its output {where} has no probability "
+            "activation, but `from_logits=False` treats outputs as probabilities. Pass "
+            "`from_logits=True` (both models then output logits), or end the model in a "
+            "softmax."
+        )
+
+
 def _layer_output(model, name: str, role: str):
     try:
         return model.get_layer(name).output
@@ -146,13 +330,14 @@ class DistillationModel(LossScaleTrainStep, keras.Model):
         teacher: The trained teacher: a `keras.Model`, a list of them (the soft target is the
             mean of their probabilities), or `None` for offline distillation from stored
             outputs. Defaults to `None` only when given by keyword.
-        temperature: Softmax temperature `T` > 0 of the soft targets. Defaults to `3.0`.
+        temperature: Softmax temperature `T` of the soft targets, finite and > 0.
+            Defaults to `3.0`.
         alpha: Weight in [0, 1] of the distillation term; `1 - alpha` weights the label loss.
             With `alpha=1.0` labels are not used (pass `y=None` for unlabelled data, or any
             labels: they only feed the logged `student_loss` and the metrics).
             Defaults to `0.7`.
         from_logits: Whether student and teacher output logits (True) or probabilities
-            (False). Defaults to `True`.
+            (False); one setting for both models. Defaults to `True`.
         features: Optional pairs `(student_layer_name, teacher_layer_name)` of Functional or
             Sequential models whose activations are matched by mean squared error; a learned
             linear projection (a bias-free `Dense`) maps the student's width to the teacher's
@@ -161,11 +346,28 @@ class DistillationModel(LossScaleTrainStep, keras.Model):
         **kwargs: `microbatches`, `clipnorm`, `initial_scale`, `dynamic_growth_steps` of
             `kp.LossScaleTrainStep`, and `keras.Model` arguments such as `name`.
 
+    Checked at construction (as far as the models' configs tell):
+
+    - the student shares no layer or variable with a teacher (a student that calls the
+      teacher as a layer, or reuses one of its layers, would be frozen with it);
+    - each model has one output (a tensor; not a dict, not several heads): refused, not
+      distilled per head. A subclassed or unbuilt model is checked on the first batch,
+      before any weight changes;
+    - `from_logits` agrees with the output layer: a softmax or sigmoid at the end (a
+      `Softmax` layer, an `Activation`, or a layer's `activation`, also behind Reshape,
+      Flatten, Dropout or inside a nested model) is probabilities, a `Dense`/`Conv` with a
+      linear activation is logits. Every `keras.applications` classifier ends in softmax by
+      default: pass `from_logits=False`, or build it with `classifier_activation=None`.
+      Outputs the config cannot tell (a `Lambda`, a custom layer, a subclassed model) are
+      not checked.
+
     Raises:
         TypeError: `student` or a teacher is not a `keras.Model`; a non-bool `from_logits`.
-        ValueError: `alpha` outside [0, 1], `temperature` <= 0, `feature_weight` < 0, a
-            teacher that is the student, teacher and student output shapes that disagree, a
-            feature layer that does not exist.
+        ValueError: `alpha` outside [0, 1], `temperature` not in (0, inf), `feature_weight`
+            < 0, a teacher that is the student or shares a layer or variable with it,
+            teacher and student output shapes that disagree, a model with several outputs
+            or a dict output, an output layer that contradicts `from_logits`, a feature
+            layer that does not exist.
 
     Example:
         >>> import keras, keras_perf as kp, numpy as np
@@ -198,13 +400,24 @@ class DistillationModel(LossScaleTrainStep, keras.Model):
             teacher = [_deserialize_model(t) for t in teacher]
         else:
             teacher = _deserialize_model(teacher)
-        self.temperature = check_number("temperature", temperature, low=0.0, low_inclusive=False)
+        self.temperature = check_number(
+            "temperature",
+            temperature,
+            low=0.0,
+            high=math.inf,
+            low_inclusive=False,
+            high_inclusive=False,
+        )
         self.alpha = check_number("alpha", alpha, low=0.0, high=1.0)
         self.from_logits = check_bool("from_logits", from_logits)
         self.feature_weight = check_number("feature_weight", feature_weight, low=0.0)
         if not isinstance(student, keras.Model):
             raise TypeError(f"`student` must be a keras.Model, got {type(student).__name__}.")
+        _check_single_output(student, "student")
         teachers = _check_teachers(student, teacher)
+        _check_from_logits(student, "student", self.from_logits)
+        for t in teachers or ():
+            _check_from_logits(t, "teacher", self.from_logits)
         pairs = _check_feature_pairs(features, teachers)
         super().__init__(**kwargs)
         self.student = student
@@ -327,6 +540,12 @@ class DistillationModel(LossScaleTrainStep, keras.Model):
 
     # -- forward ---------------------------------------------------------------------------
     def call(self, inputs, training=None):
+        for t in self._teacher_list or ():
+            if not t.built:
+                # Reached in Keras' symbolic build before the first step when the student had
+                # no known inputs at construction: create the teacher's weights now, not inside
+                # the first traced step (which fails on JAX).
+                _check_one_tensor(t(inputs, training=False), t.name, "teacher")
         if training and self._feature_models is not None:
             outputs = self._feature_models[0](inputs, training=True)
             return outputs[0], list(outputs[1:])
@@ -348,74 +567,97 @@ class DistillationModel(LossScaleTrainStep, keras.Model):
             outs = self._feature_models[1](x, training=False)
             outs = [ops.stop_gradient(o) for o in outs]
             return outs[0], outs[1:]
-        outs = [ops.stop_gradient(t(x, training=False)) for t in self._teacher_list]
+        outs = []
+        for t in self._teacher_list:
+            out = t(x, training=False)
+            _check_one_tensor(out, t.name, "teacher")
+            outs.append(ops.stop_gradient(out))
         return (outs if isinstance(self.teacher, list) else outs[0]), None
 
     # -- the loss --------------------------------------------------------------------------
     def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
-        """Total loss of one batch (see the class docstring); updates the loss trackers."""
+        """Total loss of one batch (see the class docstring); updates the loss trackers.
+
+        The sum of `_label_term` (weighted `1 - alpha` when distilling), `_soft_target_term`
+        (weighted `alpha`), `_feature_term` (weighted `feature_weight`) and the student's
+        regularisation losses, each in float32.
+        """
         if y_pred is None:
             y_pred = self(x, training=training)
         s_out, s_feats = self._split_y_pred(y_pred)
+        _check_one_tensor(s_out, self.student.name, "student")
         y_true, stored = self._split_y(y)
         batch = ops.shape(s_out)[0]
         distill = training or self.evaluate_distillation
-        zero = ops.zeros((), "float32")
 
-        terms = []
-        if y_true is not None:
-            student_loss = ops.cast(self._compile_loss(y_true, s_out, sample_weight), "float32")
-            self.student_loss_tracker.update_state(student_loss, sample_weight=batch)
-            if not distill or self.alpha < 1.0:
-                weight = 1.0 if not distill else 1.0 - self.alpha
-                terms.append(student_loss * weight)
-        elif training and self.alpha < 1.0:
-            # (Without labels outside training there is no label loss to report; Keras' JAX
-            # trainer also builds the metrics once with training=False.)
-            raise ValueError(
-                "Labels are missing: they are needed unless alpha=1.0 (soft targets only) during "
-                "training. Pass y, or use alpha=1.0 for label-free distillation."
-            )
-
+        terms = self._label_term(y_true, s_out, sample_weight, batch, distill, training)
         if distill and (self.alpha > 0.0 or s_feats is not None):
-            t_feats = None
-            if stored is not None:
-                t_out = stored
-            elif self._teacher_list is None:
-                raise ValueError(
-                    "Offline distillation (teacher=None) trains on (x, (y, teacher_outputs)); "
-                    "the batch has no stored teacher outputs. Compute them once with "
-                    "kp.precompute_teacher_logits(teacher, x) and pass y=(labels, outputs)."
-                )
-            else:
-                t_out, t_feats = self._run_teachers(x, s_feats is not None)
+            t_out, t_feats = self._teacher_outputs(x, stored, need_features=s_feats is not None)
             self._check_output_shapes(t_out, s_out)
             if self.alpha > 0.0:
-                if isinstance(self._distill_loss, _SoftTargetKL):
-                    target = _teacher_log_probs(t_out, self.temperature, self.from_logits)
-                else:
-                    target = keras.tree.map_structure(lambda t: ops.cast(t, "float32"), t_out)
-                d_loss = self._distill_loss(target, s_out, sample_weight=sample_weight)
-                self.distillation_loss_tracker.update_state(d_loss, sample_weight=batch)
-                terms.append(d_loss * self.alpha)
+                terms.append(self._soft_target_term(t_out, s_out, sample_weight, batch))
             if s_feats is not None and t_feats is not None:
-                f_loss = zero
-                for s_f, t_f, proj in zip(s_feats, t_feats, self.projections):
-                    if proj is not None:
-                        s_f = proj(s_f)
-                    diff = ops.cast(s_f, "float32") - ops.cast(t_f, "float32")
-                    f_loss = f_loss + ops.mean(ops.square(diff))
-                self.feature_loss_tracker.update_state(f_loss, sample_weight=batch)
-                terms.append(f_loss * self.feature_weight)
-
+                terms.append(self._feature_term(s_feats, t_feats, batch))
         for extra in self.student.losses:
             terms.append(ops.cast(self._aggregate_additional_loss(extra), "float32"))
         if not terms:
-            return zero
+            return ops.zeros((), "float32")
         total = terms[0]
         for term in terms[1:]:
             total = total + term
         return total
+
+    def _label_term(self, y_true, s_out, sample_weight, batch, distill, training) -> list:
+        """[(1 - alpha) · student_loss] (or [student_loss] without distillation), or []."""
+        if y_true is None:
+            if training and self.alpha < 1.0:
+                # (Without labels outside training there is no label loss to report; Keras'
+                # JAX trainer also builds the metrics once with training=False.)
+                raise ValueError(
+                    "Labels are missing: they are needed unless alpha=1.0 (soft targets only) "
+                    "during training. Pass y, or use alpha=1.0 for label-free distillation."
+                )
+            return []
+        student_loss = ops.cast(self._compile_loss(y_true, s_out, sample_weight), "float32")
+        self.student_loss_tracker.update_state(student_loss, sample_weight=batch)
+        if not distill:
+            return [student_loss]
+        if self.alpha < 1.0:
+            return [student_loss * (1.0 - self.alpha)]
+        return []
+
+    def _teacher_outputs(self, x, stored, need_features: bool):
+        """(teacher outputs, teacher features or None): stored ones, or a frozen forward pass."""
+        if stored is not None:
+            return stored, None
+        if self._teacher_list is None:
+            raise ValueError(
+                "Offline distillation (teacher=None) trains on (x, (y, teacher_outputs)); "
+                "the batch has no stored teacher outputs. Compute them once with "
+                "kp.precompute_teacher_logits(teacher, x) and pass y=(labels, outputs)."
+            )
+        return self._run_teachers(x, need_features)
+
+    def _soft_target_term(self, t_out, s_out, sample_weight, batch):
+        """alpha · distillation_loss(teacher outputs, student outputs)."""
+        if isinstance(self._distill_loss, _SoftTargetKL):
+            target = _teacher_log_probs(t_out, self.temperature, self.from_logits)
+        else:
+            target = keras.tree.map_structure(lambda t: ops.cast(t, "float32"), t_out)
+        d_loss = self._distill_loss(target, s_out, sample_weight=sample_weight)
+        self.distillation_loss_tracker.update_state(d_loss, sample_weight=batch)
+        return d_loss * self.alpha
+
+    def _feature_term(self, s_feats, t_feats, batch):
+        """feature_weight · sum of MSE(projected student feature, teacher feature)."""
+        f_loss = ops.zeros((), "float32")
+        for s_f, t_f, proj in zip(s_feats, t_feats, self.projections):
+            if proj is not None:
+                s_f = proj(s_f)
+            diff = ops.cast(s_f, "float32") - ops.cast(t_f, "float32")
+            f_loss = f_loss + ops.mean(ops.square(diff))
+        self.feature_loss_tracker.update_state(f_loss, sample_weight=batch)
+        return f_loss * self.feature_weight
 
     def _check_output_shapes(self, t_out, s_out):
         s_shape = tuple(s_out.shape)
@@ -485,21 +727,67 @@ def _check_teachers(student, teacher):
     s_shape = _output_shape(student)
     for t in teachers:
         if not isinstance(t, keras.Model):
-            raise TypeError(f"`teacher` must be a keras.Model or a list of them, got {type(t).__name__}.")
+            raise TypeError(
+                f"`teacher` must be a keras.Model or a list of them, got {type(t).__name__}."
+            )
         if t is student:
             raise ValueError(
                 "The teacher is the student itself: distil from a separately trained teacher "
                 "(e.g. `keras.models.clone_model(model)` trained first), not the model being trained."
             )
+        _check_not_shared(student, t)
+        symbolic = _build_on_student_inputs(t, student)
+        _check_single_output(t, "teacher")
+        if symbolic is not None:
+            _check_one_tensor(symbolic, t.name, "teacher")
         t_shape = _output_shape(t)
-        if s_shape is not None and t_shape is not None and (
-            len(s_shape) != len(t_shape) or s_shape[1:] != t_shape[1:]
+        if t_shape is None and symbolic is not None:
+            t_shape = tuple(symbolic.shape)
+        if (
+            s_shape is not None
+            and t_shape is not None
+            and (len(s_shape) != len(t_shape) or s_shape[1:] != t_shape[1:])
         ):
             raise ValueError(
                 f"Teacher '{t.name}' outputs shape {t_shape} but student '{student.name}' outputs "
                 f"{s_shape}: both must give the same classes on the last axis."
             )
     return teachers
+
+
+def _build_on_student_inputs(teacher, student):
+    """Build an unbuilt teacher by calling it on symbolic copies of the student's inputs.
+
+    Its weights must exist before training: on JAX a teacher whose weights would be created
+    inside the first (traced, stateless) train step fails there. Returns the symbolic output,
+    or None when the teacher was built already or the student's inputs are not known yet
+    (then Keras' symbolic build before the first step builds both).
+    """
+    if teacher.built:
+        return None
+    inputs = None
+    for attr in ("input", "inputs"):  # Functional: its input structure; Sequential: a list
+        try:
+            inputs = getattr(student, attr)
+            break
+        except (AttributeError, ValueError, RuntimeError):
+            continue
+    if isinstance(inputs, list) and len(inputs) == 1:
+        inputs = inputs[0]
+    if inputs is None or (isinstance(inputs, (list, tuple, dict)) and not inputs):
+        return None
+    fresh = keras.tree.map_structure(
+        lambda t: keras.Input(batch_shape=tuple(t.shape), dtype=t.dtype), inputs
+    )
+    try:
+        return teacher(fresh, training=False)
+    except Exception as exc:  # the model's own error, re-raised with what was tried
+        shapes = keras.tree.map_structure(lambda t: tuple(t.shape), inputs)
+        raise ValueError(
+            f"Teacher '{teacher.name}' is not built, and calling it on the student's inputs "
+            f"(shape {shapes}) failed: {type(exc).__name__}: {exc}. Build the teacher for "
+            "the student's inputs first (e.g. `teacher.build(input_shape)`, or train it)."
+        ) from exc
 
 
 def _check_feature_pairs(features, teachers):
@@ -509,7 +797,11 @@ def _check_feature_pairs(features, teachers):
         raise ValueError("`features` needs exactly one teacher model (not None and not a list).")
     pairs = []
     for pair in features:
-        if not (isinstance(pair, (list, tuple)) and len(pair) == 2 and all(isinstance(n, str) for n in pair)):
+        if not (
+            isinstance(pair, (list, tuple))
+            and len(pair) == 2
+            and all(isinstance(n, str) for n in pair)
+        ):
             raise ValueError(
                 f"`features` must be pairs (student_layer_name, teacher_layer_name); got {pair!r}."
             )
@@ -549,6 +841,8 @@ def precompute_teacher_logits(teacher, x, batch_size: int = 256, verbose=0):
     if isinstance(teacher, (list, tuple)):
         return [precompute_teacher_logits(t, x, batch_size, verbose) for t in teacher]
     if not isinstance(teacher, keras.Model):
-        raise TypeError(f"`teacher` must be a keras.Model or a list of them, got {type(teacher).__name__}.")
+        raise TypeError(
+            f"`teacher` must be a keras.Model or a list of them, got {type(teacher).__name__}."
+        )
     out = teacher.predict(x, batch_size=batch_size, verbose=verbose)
     return np.asarray(ops.convert_to_numpy(ops.cast(out, "float32")))

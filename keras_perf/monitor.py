@@ -43,7 +43,7 @@ import numpy as np
 
 from keras_perf import backend as _backend
 from keras_perf._imports import require
-from keras_perf._tensorboard import ScalarWriter
+from keras_perf._tensorboard import ScalarWriter, append_bytes
 from keras_perf._utils import check_bool, check_choice, check_int, check_number, warn
 from keras_perf.flops import estimate_flops_per_example, peak_flops_for_device
 
@@ -218,8 +218,8 @@ class TrainingMonitor(keras.callbacks.Callback):
     """Records throughput, step-time percentiles, peak memory and MFU for every epoch.
 
     After each epoch a record goes into `history` (one dict per epoch) and, when `log_path` is
-    set, one JSON line is appended to that file and flushed (closed), so a crash of the
-    training process loses nothing already logged. The figures are also added to the epoch's `logs`, so Keras' progress bar,
+    set, one JSON line is appended to that file, unbuffered, so a crash of the training
+    process loses nothing already logged. The figures are also added to the epoch's `logs`, so Keras' progress bar,
     `History` and callbacks listed *after* the monitor see them (put the monitor first).
 
     Each record holds `epoch` (1-based), `fit` (which `fit` call of this monitor), the Keras
@@ -243,14 +243,23 @@ class TrainingMonitor(keras.callbacks.Callback):
     Timing adds no device synchronisation per batch and keeps Keras' asynchronous dispatch on
     JAX and PyTorch (`async_safe = True`); see the module docstring for how.
 
+    Log locations are checked when training begins, before the first step: `log_path` must
+    be a file path (its missing folders are created), `log_dir` a folder (created with its
+    parents), both writable; otherwise `fit` stops there with a `ValueError` naming the
+    argument. A write that fails later (disk full, I/O error) never stops training: the
+    monitor warns once per `fit` and argument (`KerasPerfWarning`), the epoch's record gets
+    `log_error` (which argument, which error), `summary()["log_complete"]` becomes False,
+    and later epochs are still written. A failed write leaves no partial line or event
+    behind (the file is cut back), so the files stay readable.
+
     One monitor used for several `fit` calls *continues*: `history` and the log file keep
     growing, and epochs are numbered on: a second `fit` from `initial_epoch=0` after 3 epochs
     logs epochs 4, 5, ...; a resumed `fit(initial_epoch=3)` also logs 4, 5, .... Call `reset()`
     to start over.
 
     Args:
-        log_path: File to append one JSON line per epoch to (its folder is created), or `None`.
-            Defaults to `None`.
+        log_path: File to append one JSON line per epoch to (its folder is created when
+            training begins), or `None`. Defaults to `None`.
         flops_per_example: Training FLOPs per example, or `None` to estimate them for
             Dense/Conv models (no MFU when unknown). Defaults to `None`.
         peak_flops: Peak FLOP/s of the device, or `None` to look the accelerator up in a
@@ -265,7 +274,9 @@ class TrainingMonitor(keras.callbacks.Callback):
     Raises:
         TypeError: `log_path`/`log_dir` is not a path, a number is not a number, `step_timing`
             is not a bool or `verbose` is not an int.
-        ValueError: `flops_per_example` or `peak_flops` <= 0, or `verbose` not 0 or 1.
+        ValueError: `flops_per_example` or `peak_flops` <= 0, or `verbose` not 0 or 1; when
+            training begins: `log_path` is a directory, `log_dir` is a file, either lies
+            under a file or cannot be created or written.
 
     Example:
         >>> mon = kp.TrainingMonitor(log_path="run.jsonl")
@@ -334,6 +345,16 @@ class TrainingMonitor(keras.callbacks.Callback):
 
     # ----------------------------------------------------------------- hooks
     def on_train_begin(self, logs=None) -> None:
+        self._warned_write: set[str] = set()
+        if self.log_path is not None:
+            _prepare_file("log_path", self.log_path)
+        if self._writer is not None:
+            _prepare_dir("log_dir", self.log_dir)
+            if self._writer.path is None or not os.path.isfile(self._writer.path):
+                try:
+                    self._writer.open()
+                except OSError as exc:
+                    raise _unwritable("log_dir", self.log_dir, exc) from exc
         self._fits += 1
         self._offset = None
         self._warned_examples = False
@@ -435,23 +456,41 @@ class TrainingMonitor(keras.callbacks.Callback):
                 record["loss_scale"] = float(getattr(scale, "value", scale))
 
     def _write(self, record: dict) -> None:
+        """Append the record to `log_path` and `log_dir`; a failed write never stops `fit`."""
         if self.log_path is not None:
-            folder = os.path.dirname(self.log_path)
-            if folder:
-                os.makedirs(folder, exist_ok=True)
-            line = json.dumps(_json_safe(record), allow_nan=False)
-            with open(self.log_path, "a", encoding="utf-8") as f:
-                f.write(line + "\n")
-                # Flushed to the OS when the file closes: a crash of this process (an
-                # exception, SIGKILL, OOM kill) loses nothing. No fsync: it costs 1-20 ms per
-                # epoch and only guards against the machine itself going down.
+            line = json.dumps(_json_safe(record), allow_nan=False) + "\n"
+            try:
+                # Unbuffered and closed at once: a crash of this process (an exception,
+                # SIGKILL, OOM kill) loses nothing. No fsync: it costs 1-20 ms per epoch and
+                # only guards against the machine itself going down.
+                append_bytes(self.log_path, line.encode("utf-8"))
+            except OSError as exc:
+                self._write_failed(record, "log_path", self.log_path, exc)
         if self._writer is not None:
             scalars = {
                 f"keras_perf/{k}": v
                 for k, v in record.items()
                 if k not in ("epoch", "fit", "time") and _is_number(v)
             }
-            self._writer.write(record["epoch"], scalars)
+            try:
+                self._writer.write(record["epoch"], scalars)
+            except OSError as exc:
+                self._write_failed(record, "log_dir", self.log_dir, exc)
+
+    def _write_failed(self, record: dict, name: str, path: str, exc: OSError) -> None:
+        """Mark the record (`log_error`) and warn once per fit and argument."""
+        error = f"{name}: {type(exc).__name__}: {exc}"
+        record["log_error"] = (
+            f"{record['log_error']}; {error}" if record.get("log_error") else error
+        )
+        if name not in self._warned_write:
+            self._warned_write.add(name)
+            warn(
+                f"TrainingMonitor could not write epoch {record['epoch']} to `{name}`={path!r} "
+                f"({type(exc).__name__}: {exc}). Training goes on; the epoch stays in "
+                "`history` with a `log_error` entry, `summary()['log_complete']` is False, "
+                "and later epochs are still tried (no further warning in this fit)."
+            )
 
     # ----------------------------------------------------------------- results
     def summary(self, monitor: str | None = None, mode: str = "auto") -> dict:
@@ -467,7 +506,9 @@ class TrainingMonitor(keras.callbacks.Callback):
             A dict: `epochs`, `fits`, `total_time_s` (training plus validation),
             `train_time_s`, `val_time_s`, `steps`, `examples`, `mean_/median_examples_per_s`,
             `mean_/median_steps_per_s`, `step_time_ms_p50` (median over epochs),
-            `peak_memory_bytes` (max), `mean_mfu`, and `best`: `{"metric", "value", "epoch"}`.
+            `peak_memory_bytes` (max), `mean_mfu`, `log_complete` (False when a write to
+            `log_path` or `log_dir` failed for some epoch: see `log_error` in `history`), and
+            `best`: `{"metric", "value", "epoch"}`.
             With no epoch recorded, `{"epochs": 0}`.
 
         Raises:
@@ -524,6 +565,7 @@ class TrainingMonitor(keras.callbacks.Callback):
             "step_time_ms_p50": median("step_time_ms_p50"),
             "peak_memory_bytes": max(peaks) if peaks else None,
             "mean_mfu": mean("mfu"),
+            "log_complete": not any(r.get("log_error") for r in h),
             "best": {"metric": monitor, "value": best, "epoch": best_epoch, "mode": mode},
         }
 
@@ -580,7 +622,9 @@ class TrainingMonitor(keras.callbacks.Callback):
         if metrics is None:
             metrics = []
             for r in h:
-                metrics.extend(k for k, v in r.items() if k not in skip and k not in metrics and _is_number(v))
+                metrics.extend(
+                    k for k, v in r.items() if k not in skip and k not in metrics and _is_number(v)
+                )
 
         def series(key):
             return [r.get(key) if _is_number(r.get(key)) else np.nan for r in h]
@@ -604,13 +648,29 @@ class TrainingMonitor(keras.callbacks.Callback):
             ax1.legend(loc="upper right", fontsize="small")
         ax1.set_title("Loss and metrics")
 
-        key = "examples_per_s" if any(_is_number(r.get("examples_per_s")) for r in h) else "steps_per_s"
+        key = (
+            "examples_per_s"
+            if any(_is_number(r.get("examples_per_s")) for r in h)
+            else "steps_per_s"
+        )
         ax2.plot(epochs, series(key), marker="o", color="tab:green", label=key)
         ax2.set_ylabel(key.replace("_per_s", "/s"))
         if any(_is_number(r.get("step_time_ms_p50")) for r in h):
             twin = ax2.twinx()
-            twin.plot(epochs, series("step_time_ms_p50"), color="tab:gray", linestyle="--", label="step p50")
-            twin.plot(epochs, series("step_time_ms_p90"), color="tab:gray", linestyle=":", label="step p90")
+            twin.plot(
+                epochs,
+                series("step_time_ms_p50"),
+                color="tab:gray",
+                linestyle="--",
+                label="step p50",
+            )
+            twin.plot(
+                epochs,
+                series("step_time_ms_p90"),
+                color="tab:gray",
+                linestyle=":",
+                label="step p90",
+            )
             twin.set_ylabel("step time (ms)")
             twin.legend(loc="lower right", fontsize="small")
         ax2.legend(loc="upper left", fontsize="small")
@@ -632,8 +692,68 @@ def _check_path(name: str, value):
     if value is None:
         return None
     if not isinstance(value, (str, os.PathLike)):
-        raise TypeError(f"`{name}` must be a file system path (str or os.PathLike) or None, got {value!r}.")
+        raise TypeError(
+            f"`{name}` must be a file system path (str or os.PathLike) or None, got {value!r}."
+        )
     return os.fspath(value)
+
+
+def _unwritable(name: str, path: str, exc: OSError) -> ValueError:
+    return ValueError(
+        f"`{name}={path!r}` cannot be written: {type(exc).__name__}: {exc}. Give a location "
+        "this process can create and write to."
+    )
+
+
+def _first_existing_ancestor(path: str) -> str:
+    folder = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(folder):
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            break
+        folder = parent
+    return folder
+
+
+def _check_no_file_above(name: str, path: str) -> None:
+    ancestor = _first_existing_ancestor(path)
+    if not os.path.isdir(ancestor):
+        raise ValueError(
+            f"`{name}={path!r}` lies under {ancestor!r}, which is a file, not a folder. "
+            f"Give a `{name}` in an existing folder or one that can be created."
+        )
+
+
+def _prepare_file(name: str, path: str) -> None:
+    """At train begin: `path` is a file this process can append to; its folder is created."""
+    if os.path.isdir(path):
+        raise ValueError(
+            f"`{name}={path!r}` is a directory; it must be a file path, e.g. "
+            f"{os.path.join(path, 'run.jsonl')!r}."
+        )
+    _check_no_file_above(name, path)
+    try:
+        folder = os.path.dirname(path)
+        if folder:
+            os.makedirs(folder, exist_ok=True)
+        with open(path, "ab"):
+            pass
+    except OSError as exc:
+        raise _unwritable(name, path, exc) from exc
+
+
+def _prepare_dir(name: str, path: str) -> None:
+    """At train begin: `path` is a folder (created with its parents, as Keras' TensorBoard)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(
+            f"`{name}={path!r}` is a file; it must be a folder (TensorBoard writes event "
+            "files into it), e.g. 'logs/run1'."
+        )
+    _check_no_file_above(name, path)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise _unwritable(name, path, exc) from exc
 
 
 def _is_number(v) -> bool:

@@ -1,6 +1,9 @@
 """TrainingMonitor and its EpochMeter: counts, timing, JSONL, summary, plot, CSV, TensorBoard."""
 
+import errno
 import json
+import os
+import warnings
 
 import keras
 import numpy as np
@@ -55,8 +58,12 @@ def test_bad_arguments_raise(kwargs, error, match):
 
 def test_config_round_trip(tmp_path):
     mon = kp.TrainingMonitor(
-        log_path=tmp_path / "a.jsonl", flops_per_example=1e6, peak_flops=2e12,
-        step_timing=False, verbose=1, log_dir=str(tmp_path / "tb"),
+        log_path=tmp_path / "a.jsonl",
+        flops_per_example=1e6,
+        peak_flops=2e12,
+        step_timing=False,
+        verbose=1,
+        log_dir=str(tmp_path / "tb"),
     )
     again = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(mon))
     assert isinstance(again, kp.TrainingMonitor)
@@ -166,8 +173,14 @@ def test_counts_with_short_last_batch_validation_and_steps_per_execution(digits,
     model = _mlp(spe)
     mon = kp.TrainingMonitor()
     history = model.fit(
-        x[:203], y[:203], batch_size=32, epochs=3, validation_data=(xv[:50], yv[:50]),
-        validation_freq=2, callbacks=[mon], verbose=0,
+        x[:203],
+        y[:203],
+        batch_size=32,
+        epochs=3,
+        validation_data=(xv[:50], yv[:50]),
+        validation_freq=2,
+        callbacks=[mon],
+        verbose=0,
     )
     assert [r["epoch"] for r in mon.history] == [1, 2, 3]
     for r in mon.history:
@@ -262,8 +275,9 @@ def test_jsonl_lines_survive_a_crash_in_epoch_3(tmp_path, digits):
     path = tmp_path / "logs" / "run.jsonl"  # the folder does not exist yet
     mon = kp.TrainingMonitor(log_path=path)
     with pytest.raises(RuntimeError, match="simulated crash"):
-        _mlp().fit(x[:96], y[:96], batch_size=32, epochs=5, verbose=0,
-                   callbacks=[mon, _CrashInEpoch(2)])
+        _mlp().fit(
+            x[:96], y[:96], batch_size=32, epochs=5, verbose=0, callbacks=[mon, _CrashInEpoch(2)]
+        )
     lines = path.read_text().splitlines()
     assert len(lines) == 2
     records = [json.loads(line) for line in lines]
@@ -301,13 +315,27 @@ def _monitor_with_made_up_history():
         [(1.0, 0.5, 1.1, 100.0, 3e8), (0.5, 0.8, 0.7, 300.0, 5e8), (0.4, 0.85, 0.9, 200.0, 4e8)],
         start=1,
     ):
-        mon.history.append({
-            "epoch": epoch, "fit": 1, "loss": loss, "accuracy": acc, "val_loss": val_loss,
-            "epoch_time_s": 2.0, "val_time_s": 0.5, "steps": 10, "examples": 320,
-            "steps_per_s": 5.0, "examples_per_s": eps, "step_time_ms_p50": 190.0,
-            "step_time_ms_p90": 250.0, "peak_memory_bytes": mem, "loss_scale": None,
-            "mfu": None, "memory_device": "host",
-        })
+        mon.history.append(
+            {
+                "epoch": epoch,
+                "fit": 1,
+                "loss": loss,
+                "accuracy": acc,
+                "val_loss": val_loss,
+                "epoch_time_s": 2.0,
+                "val_time_s": 0.5,
+                "steps": 10,
+                "examples": 320,
+                "steps_per_s": 5.0,
+                "examples_per_s": eps,
+                "step_time_ms_p50": 190.0,
+                "step_time_ms_p90": 250.0,
+                "peak_memory_bytes": mem,
+                "loss_scale": None,
+                "mfu": None,
+                "memory_device": "host",
+            }
+        )
     return mon
 
 
@@ -413,3 +441,170 @@ def test_hooks_warn_when_examples_cannot_be_counted(capsys):
     assert r["examples"] is None and r["examples_per_s"] is None and r["steps"] == 2
     assert logs["steps"] == 2 and "examples" not in logs  # unknown values stay out of logs
     assert "monitor epoch 1:" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------- log locations and failures
+def _fit_with(mon, x, y, epochs=1):
+    model = _mlp()
+    history = model.fit(x[:64], y[:64], batch_size=32, epochs=epochs, callbacks=[mon], verbose=0)
+    return model, history
+
+
+def _bad_locations(tmp_path):
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    return {
+        "log_path is a folder": ({"log_path": folder}, r"`log_path=.*folder'` is a directory"),
+        "log_path under a file": (
+            {"log_path": a_file / "sub" / "run.jsonl"},
+            r"`log_path=.*run.jsonl'` lies under .*a_file', which is a file",
+        ),
+        "log_dir is a file": (
+            {"log_dir": a_file},
+            r"`log_dir=.*a_file'` is a file; it must be a folder",
+        ),
+        "log_dir under a file": (
+            {"log_dir": a_file / "tb"},
+            r"`log_dir=.*tb'` lies under .*a_file'",
+        ),
+    }
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["log_path is a folder", "log_path under a file", "log_dir is a file", "log_dir under a file"],
+)
+def test_regression_bad_log_location_raises_before_the_first_step(case, tmp_path, digits):
+    # Before: accepted; the first epoch trained, then its end raised IsADirectoryError /
+    # NotADirectoryError (log_path) or FileExistsError (log_dir) out of fit.
+    (x, y), _ = digits
+    kwargs, match = _bad_locations(tmp_path)[case]
+    mon = kp.TrainingMonitor(**kwargs)
+    model = _mlp()
+    with pytest.raises(ValueError, match=match):
+        model.fit(x[:64], y[:64], batch_size=32, epochs=1, callbacks=[mon], verbose=0)
+    assert _steps_taken(model) == 0
+    assert mon.history == []
+
+
+def _steps_taken(model):
+    optimizer = model.optimizer
+    return int(keras.ops.convert_to_numpy(optimizer.iterations)) if optimizer.built else 0
+
+
+@pytest.mark.skipif(
+    not os.path.isdir("/sys/kernel"), reason="needs Linux sysfs (read-only even for root)"
+)
+@pytest.mark.parametrize("arg", ["log_path", "log_dir"])
+def test_unwritable_log_location_raises_before_the_first_step(arg, digits):
+    (x, y), _ = digits
+    mon = kp.TrainingMonitor(**{arg: "/sys/keras_perf_test/run"})
+    model = _mlp()
+    with pytest.raises(ValueError, match=f"`{arg}='/sys/keras_perf_test/run'` cannot be written"):
+        model.fit(x[:64], y[:64], batch_size=32, epochs=1, callbacks=[mon], verbose=0)
+    assert _steps_taken(model) == 0
+
+
+def test_missing_log_folders_are_created_when_training_begins(tmp_path):
+    # log_path: its folder is created (as Keras' ModelCheckpoint does; CSVLogger would raise);
+    # log_dir: created with its parents, as Keras' TensorBoard callback does.
+    path, tb = tmp_path / "a" / "b" / "run.jsonl", tmp_path / "c" / "d" / "tb"
+    mon = kp.TrainingMonitor(log_path=path, log_dir=tb)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "c").exists()  # not at construction
+    mon.set_model(_mlp())
+    mon.on_train_begin()
+    assert path.is_file() and path.read_text() == ""
+    events = list(tb.glob("events.out.tfevents.*"))
+    assert len(events) == 1 and read_scalars(events[0]) == []  # the header event only
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_regression_disk_full_log_path_warns_once_and_fit_completes(digits):
+    # Before: OSError [Errno 28] out of the first epoch's end killed fit.
+    (x, y), _ = digits
+    mon = kp.TrainingMonitor(log_path="/dev/full")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, history = _fit_with(mon, x, y, epochs=3)
+    ours = [w for w in caught if issubclass(w.category, kp.KerasPerfWarning)]
+    assert len(ours) == 1 and "could not write epoch 1 to `log_path`='/dev/full'" in str(
+        ours[0].message
+    )
+    assert len(history.history["loss"]) == 3 and [r["epoch"] for r in mon.history] == [1, 2, 3]
+    assert all("No space left on device" in r["log_error"] for r in mon.history)
+    assert mon.summary()["log_complete"] is False
+
+
+def _fail_on_call(n, real):
+    calls = {"n": 0}
+
+    def append(path, data):
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise OSError(errno.EIO, "injected I/O error")
+        real(path, data)
+
+    return append
+
+
+def test_injected_write_errors_skip_one_epoch_and_leave_readable_files(
+    tmp_path, digits, monkeypatch
+):
+    (x, y), _ = digits
+    from keras_perf import _tensorboard, monitor
+
+    # JSONL: the 2nd append fails; TensorBoard: the 3rd (1st is the file's header).
+    monkeypatch.setattr(monitor, "append_bytes", _fail_on_call(2, _tensorboard.append_bytes))
+    monkeypatch.setattr(_tensorboard, "append_bytes", _fail_on_call(3, _tensorboard.append_bytes))
+    path, tb = tmp_path / "run.jsonl", tmp_path / "tb"
+    mon = kp.TrainingMonitor(log_path=path, log_dir=tb)
+    with pytest.warns(kp.KerasPerfWarning, match="could not write epoch 2") as record:
+        _, history = _fit_with(mon, x, y, epochs=4)
+    ours = [w for w in record if issubclass(w.category, kp.KerasPerfWarning)]
+    assert len(ours) == 2  # one per argument
+    assert len(history.history["loss"]) == 4
+    assert [json.loads(line)["epoch"] for line in path.read_text().splitlines()] == [1, 3, 4]
+    (events,) = tb.glob("events.out.tfevents.*")
+    steps = sorted({step for step, tag, _ in read_scalars(events) if tag == "keras_perf/loss"})
+    assert steps == [1, 3, 4]
+    errors = [r.get("log_error") for r in mon.history]
+    assert errors[0] is None and errors[2:] == [None, None]
+    assert errors[1] == (
+        "log_path: OSError: [Errno 5] injected I/O error; log_dir: OSError: [Errno 5] injected I/O error"
+    )
+    assert mon.summary()["log_complete"] is False
+
+
+def test_log_complete_when_every_write_succeeds(tmp_path, digits):
+    (x, y), _ = digits
+    mon = kp.TrainingMonitor(log_path=tmp_path / "run.jsonl", log_dir=tmp_path / "tb")
+    _fit_with(mon, x, y, epochs=2)
+    assert mon.summary()["log_complete"] is True
+    assert all("log_error" not in r for r in mon.history)
+
+
+def test_append_bytes_cuts_a_torn_record_back(tmp_path, monkeypatch):
+    # A write that gets half its bytes out, then fails (disk full mid-record): the file is
+    # cut back to its previous length, so the next record starts on a clean line.
+    import io
+
+    from keras_perf._tensorboard import append_bytes
+
+    path = str(tmp_path / "f")
+    append_bytes(path, b"first\n")
+    real_write = io.FileIO.write
+
+    class _Torn(io.FileIO):
+        def write(self, b):
+            if len(b) > 3:
+                return real_write(self, bytes(b)[:3])
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr("builtins.open", lambda p, mode, buffering=-1: _Torn(p, mode))
+    with pytest.raises(OSError, match="No space left"):
+        append_bytes(path, b"second\n")
+    monkeypatch.undo()
+    append_bytes(path, b"third\n")
+    assert open(path, "rb").read() == b"first\nthird\n"

@@ -146,7 +146,12 @@ def export_tflite(
 
     if _quantization.is_quantized_model(model):  # Learned ranges: its own converter settings.
         return _quantization.export_quantized(
-            model, path, quantization, representative_data, int8_io, allow_select_tf_ops,
+            model,
+            path,
+            quantization,
+            representative_data,
+            int8_io,
+            allow_select_tf_ops,
             custom_modules,
         )
     if quantization == "int8" and representative_data is None:

@@ -1,7 +1,5 @@
 """Quantization-aware training: kernels, ranges, gradients, export, save/load, composition."""
 
-import os
-
 import keras
 import numpy as np
 import pytest
@@ -298,8 +296,10 @@ def test_export_uses_the_learned_ranges(exported):
     qat, path, report, _ = exported
     qs = quantizers(qat)
     assert report["input_dtype"] == "int8" and report["output_dtype"] == "int8"
-    for name, got in (("image_quant", report["input_quantization"]),
-                      ("dense_1_quant", report["output_quantization"])):
+    for name, got in (
+        ("image_quant", report["input_quantization"]),
+        ("dense_1_quant", report["output_quantization"]),
+    ):
         scale, zero = tf_quant_params(float(np_(qs[name].min)), float(np_(qs[name].max)))
         np.testing.assert_allclose(got[0], scale, rtol=1e-5)
         assert got[1] == zero
@@ -371,12 +371,22 @@ def test_backup_and_restore_resumes_with_the_ranges(tmp_path, digits):
     qat = kp.quantize_aware(model)
     stop = _Interrupt()
     with pytest.raises(RuntimeError, match="interrupted"):
-        fit(qat, x[:256], y[:256], epochs=3,
-            callbacks=[keras.callbacks.BackupAndRestore(backup), stop])
+        fit(
+            qat,
+            x[:256],
+            y[:256],
+            epochs=3,
+            callbacks=[keras.callbacks.BackupAndRestore(backup), stop],
+        )
     fresh = kp.quantize_aware(model)
     record = _Record()
-    fit(fresh, x[:256], y[:256], epochs=3,
-        callbacks=[keras.callbacks.BackupAndRestore(backup), record])
+    fit(
+        fresh,
+        x[:256],
+        y[:256],
+        epochs=3,
+        callbacks=[keras.callbacks.BackupAndRestore(backup), record],
+    )
     assert record.ranges == pytest.approx(stop.ranges, rel=1e-6)
     assert record.ranges["dense_quant"] != 6.0
 
@@ -391,7 +401,7 @@ def test_pruned_weights_stay_exactly_zero_through_qat(digits):
     model = cnn()
     fit(model, x[:256], y[:256])
     kp.prune_low_magnitude(model, sparsity=0.6)
-    zeros = {l.name: np_(l.kernel) == 0 for l in model.layers if hasattr(l, "kernel")}
+    zeros = {m.name: np_(m.kernel) == 0 for m in model.layers if hasattr(m, "kernel")}
     qat = kp.quantize_aware(model)
     fit(qat, x, y, epochs=2)
     for name, z in zeros.items():

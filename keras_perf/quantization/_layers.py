@@ -36,8 +36,12 @@ class QuantizedKernelMixin:
     def _build_mask(self):
         if self.sparsity_mask:
             self.kernel_mask = self.add_weight(
-                shape=self.kernel.shape, initializer="ones", trainable=False,
-                name="kernel_mask", dtype=self.kernel.dtype, autocast=False,
+                shape=self.kernel.shape,
+                initializer="ones",
+                trainable=False,
+                name="kernel_mask",
+                dtype=self.kernel.dtype,
+                autocast=False,
             )
 
     def channel_axes(self):
@@ -146,8 +150,12 @@ class _QuantizedConvMixin(QuantizedKernelMixin):
                 pad = [[0, 0], [0, 0], [left, 0]]
             inputs = ops.pad(inputs, pad)
             return ops.conv(
-                inputs, kernel, strides=list(self.strides), padding="valid",
-                dilation_rate=self.dilation_rate, data_format=self.data_format,
+                inputs,
+                kernel,
+                strides=list(self.strides),
+                padding="valid",
+                dilation_rate=self.dilation_rate,
+                data_format=self.data_format,
             )
         return self.convolution_op(inputs, kernel)
 
@@ -205,8 +213,12 @@ class QuantizedDepthwiseConv2D(QuantizedKernelMixin, keras.layers.DepthwiseConv2
 
     def call(self, inputs):
         x = ops.depthwise_conv(
-            inputs, self.quantized_kernel(), strides=self.strides, padding=self.padding,
-            dilation_rate=self.dilation_rate, data_format=self.data_format,
+            inputs,
+            self.quantized_kernel(),
+            strides=self.strides,
+            padding=self.padding,
+            dilation_rate=self.dilation_rate,
+            data_format=self.data_format,
         )
         if self.use_bias:
             channels = self.kernel.shape[-2] * self.kernel.shape[-1]

@@ -87,16 +87,28 @@ class ActivationQuantizer(keras.layers.Layer):
 
     def build(self, input_shape):
         self.min = self.add_weight(
-            shape=(), initializer=keras.initializers.Constant(-6.0), trainable=False,
-            name="min", dtype="float32", autocast=False,
+            shape=(),
+            initializer=keras.initializers.Constant(-6.0),
+            trainable=False,
+            name="min",
+            dtype="float32",
+            autocast=False,
         )
         self.max = self.add_weight(
-            shape=(), initializer=keras.initializers.Constant(6.0), trainable=False,
-            name="max", dtype="float32", autocast=False,
+            shape=(),
+            initializer=keras.initializers.Constant(6.0),
+            trainable=False,
+            name="max",
+            dtype="float32",
+            autocast=False,
         )
         self.initialized = self.add_weight(
-            shape=(), initializer="zeros", trainable=False, name="initialized",
-            dtype="float32", autocast=False,
+            shape=(),
+            initializer="zeros",
+            trainable=False,
+            name="initialized",
+            dtype="float32",
+            autocast=False,
         )
 
     def call(self, inputs, training=None):

@@ -17,11 +17,16 @@ class QuantizationReport(list):
         head = ("name", "w_bits", "a_bits", "per_ch", "weight_range", "activation_range")
         rows = [head]
         for r in self:
-            rows.append((
-                r["name"], str(r["weight_bits"] or "-"), str(r["activation_bits"] or "-"),
-                "yes" if r["per_channel"] else "no", _fmt(r["weight_range"]),
-                _fmt(r["activation_range"]),
-            ))
+            rows.append(
+                (
+                    r["name"],
+                    str(r["weight_bits"] or "-"),
+                    str(r["activation_bits"] or "-"),
+                    "yes" if r["per_channel"] else "no",
+                    _fmt(r["weight_range"]),
+                    _fmt(r["activation_range"]),
+                )
+            )
         widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
         lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
@@ -75,28 +80,30 @@ def quantization_report(model) -> QuantizationReport:
         q = quantizers.get(layer.activation_quantizer or "")
         if q is not None:
             targets.add(q.name)
-        rows.append({
-            "name": layer.name,
-            "weight_bits": layer.weight_bits,
-            "activation_bits": None if q is None else q.num_bits,
-            "per_channel": layer.per_channel,
-            "weight_range": (-m, m),
-            "activation_range": None if q is None else _range(q),
-        })
-    if not rows and not quantizers:
-        raise ValueError(
-            "`model` has no quantized layer: make it with `kp.quantize_aware(model)`."
+        rows.append(
+            {
+                "name": layer.name,
+                "weight_bits": layer.weight_bits,
+                "activation_bits": None if q is None else q.num_bits,
+                "per_channel": layer.per_channel,
+                "weight_range": (-m, m),
+                "activation_range": None if q is None else _range(q),
+            }
         )
+    if not rows and not quantizers:
+        raise ValueError("`model` has no quantized layer: make it with `kp.quantize_aware(model)`.")
     for q in quantizers.values():
         if q.name not in targets:
-            rows.append({
-                "name": q.name,
-                "weight_bits": None,
-                "activation_bits": q.num_bits,
-                "per_channel": False,
-                "weight_range": None,
-                "activation_range": _range(q),
-            })
+            rows.append(
+                {
+                    "name": q.name,
+                    "weight_bits": None,
+                    "activation_bits": q.num_bits,
+                    "per_channel": False,
+                    "weight_range": None,
+                    "activation_range": _range(q),
+                }
+            )
     return rows
 
 

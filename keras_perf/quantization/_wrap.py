@@ -10,8 +10,8 @@ after every other layer.
 
 from __future__ import annotations
 
-import numpy as np
 import keras
+import numpy as np
 
 from keras_perf._utils import check_bool
 from keras_perf.pruning import _check_selectors, _matches_layer
@@ -26,12 +26,34 @@ from keras_perf.quantization._quantizers import (
 _PASS_THROUGH = tuple(
     getattr(keras.layers, n)
     for n in (
-        "Dropout", "SpatialDropout1D", "SpatialDropout2D", "SpatialDropout3D", "AlphaDropout",
-        "GaussianDropout", "GaussianNoise", "ActivityRegularization", "Identity", "Flatten",
-        "Reshape", "Permute", "RepeatVector", "MaxPooling1D", "MaxPooling2D", "MaxPooling3D",
-        "GlobalMaxPooling1D", "GlobalMaxPooling2D", "GlobalMaxPooling3D", "ZeroPadding1D",
-        "ZeroPadding2D", "ZeroPadding3D", "Cropping1D", "Cropping2D", "Cropping3D",
-        "UpSampling1D", "UpSampling2D", "UpSampling3D",
+        "Dropout",
+        "SpatialDropout1D",
+        "SpatialDropout2D",
+        "SpatialDropout3D",
+        "AlphaDropout",
+        "GaussianDropout",
+        "GaussianNoise",
+        "ActivityRegularization",
+        "Identity",
+        "Flatten",
+        "Reshape",
+        "Permute",
+        "RepeatVector",
+        "MaxPooling1D",
+        "MaxPooling2D",
+        "MaxPooling3D",
+        "GlobalMaxPooling1D",
+        "GlobalMaxPooling2D",
+        "GlobalMaxPooling3D",
+        "ZeroPadding1D",
+        "ZeroPadding2D",
+        "ZeroPadding3D",
+        "Cropping1D",
+        "Cropping2D",
+        "Cropping3D",
+        "UpSampling1D",
+        "UpSampling2D",
+        "UpSampling3D",
     )
     if hasattr(keras.layers, n)
 )
@@ -217,7 +239,7 @@ def _activation_name(layer) -> str | None:
         c = layer.get_config()
         if c.get("negative_slope", 0) or c.get("threshold", 0):
             return "leaky"
-        return {None: "relu", 6.0: "relu6", 6: "relu6"}.get(c.get("max_value"), "clipped")
+        return {None: "relu", 6.0: "relu6"}.get(c.get("max_value"), "clipped")
     if isinstance(layer, keras.layers.Activation):
         return _function_name(layer.activation)
     return None

@@ -437,4 +437,7 @@ def test_qat_student_in_distillation_trains_and_exports(digits, tmp_path):
     assert report["input_dtype"] == "int8"
     t = kp.tflite_predict(tmp_path / "s.tflite", xv)
     k = distiller.student.predict(xv, verbose=0)
-    assert abs((t.argmax(1) == yv).mean() - (k.argmax(1) == yv).mean()) <= 0.01
+    # A briefly trained student has many near-ties: a one-step flip can change a prediction.
+    assert abs((t.argmax(1) == yv).mean() - (k.argmax(1) == yv).mean()) <= 0.02
+    step = report["output_quantization"][0]
+    assert np.mean(np.abs(k - t) <= step * 1.01) > 0.95

@@ -34,10 +34,17 @@ else:
         sparsity_report,
         strip_pruning,
     )
+    from keras_perf.quantization import (
+        ActivationQuantizer,
+        is_quantized_model,
+        quantization_report,
+        quantize_aware,
+    )
     from keras_perf.stopping import EarlyStopping, TimeLimit
     from keras_perf.train_step import LossScaledModel, LossScaleTrainStep, loss_scaled
 
 __all__ = [
+    "ActivationQuantizer",
     "ConstantSparsity",
     "DistillationModel",
     "EarlyStopping",
@@ -58,10 +65,13 @@ __all__ = [
     "export_tflite",
     "find_max_microbatch",
     "fit_with_oom_retry",
+    "is_quantized_model",
     "loss_scaled",
     "peak_flops_for_device",
     "precompute_teacher_logits",
     "prune_low_magnitude",
+    "quantization_report",
+    "quantize_aware",
     "setup_mixed_precision",
     "sparsity_report",
     "strip_pruning",

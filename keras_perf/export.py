@@ -143,6 +143,18 @@ def export_tflite(
     check_bool("allow_select_tf_ops", allow_select_tf_ops)
     if isinstance(custom_modules, str) or not all(isinstance(m, str) for m in custom_modules):
         raise TypeError(f"`custom_modules` must be a list of module names, got {custom_modules!r}.")
+    from keras_perf import quantization as _quantization
+
+    if _quantization.is_quantized_model(model):  # Learned ranges: its own converter settings.
+        return _quantization.export_quantized(
+            model,
+            path,
+            quantization,
+            representative_data,
+            int8_io,
+            allow_select_tf_ops,
+            custom_modules,
+        )
     if quantization == "int8" and representative_data is None:
         raise ValueError(
             "quantization='int8' (full-integer) needs `representative_data` to calibrate the "

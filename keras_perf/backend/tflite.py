@@ -52,7 +52,15 @@ def convert_saved_model(
     import tensorflow as tf
 
     converter = tf.lite.TFLiteConverter.from_saved_model(saved_model_dir)
-    if quantization is not None:
+    if quantization == "qat_int8":
+        # A quantization-aware model: every range is in the graph (FakeQuant ops), so no
+        # representative data; the INT8-only op set would demand some, so the default set.
+        converter.optimizations = [tf.lite.Optimize.DEFAULT]
+        if int8_io:
+            converter.inference_input_type = tf.int8
+            converter.inference_output_type = tf.int8
+        quantization = None
+    elif quantization is not None:
         converter.optimizations = [tf.lite.Optimize.DEFAULT]
     builtins = tf.lite.OpsSet.TFLITE_BUILTINS
     if quantization == "float16":

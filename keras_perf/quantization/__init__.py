@@ -1,0 +1,35 @@
+"""Quantization-aware training (QAT) for Keras 3 on every backend.
+
+- `_quantizers`: fake quantization of kernels and activations (`ActivationQuantizer`).
+- `_layers`: Dense/EinsumDense/Conv/DepthwiseConv subclasses with fake-quantized kernels.
+- `_wrap`: `quantize_aware`, the clone that places the quantizers.
+- `_report`: `quantization_report`.
+- `_export`: the TFLite int8 export from learned ranges (`export_tflite` routes here).
+"""
+
+from keras_perf.quantization._export import export_quantized, is_quantized_model
+from keras_perf.quantization._layers import (
+    QuantizedConv1D,
+    QuantizedConv2D,
+    QuantizedConv3D,
+    QuantizedDense,
+    QuantizedDepthwiseConv2D,
+    QuantizedEinsumDense,
+)
+from keras_perf.quantization._quantizers import ActivationQuantizer
+from keras_perf.quantization._report import quantization_report
+from keras_perf.quantization._wrap import quantize_aware
+
+__all__ = [
+    "ActivationQuantizer",
+    "QuantizedConv1D",
+    "QuantizedConv2D",
+    "QuantizedConv3D",
+    "QuantizedDense",
+    "QuantizedDepthwiseConv2D",
+    "QuantizedEinsumDense",
+    "export_quantized",
+    "is_quantized_model",
+    "quantization_report",
+    "quantize_aware",
+]

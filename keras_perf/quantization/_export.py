@@ -1,0 +1,106 @@
+"""TFLite export of a quantization-aware model: the learned ranges, no calibration data.
+
+The file is built in a TensorFlow graph from the QAT model's weights and ranges: each
+quantized kernel enters the graph as a constant, already fake-quantized in numpy (per-channel
+fake-quant ops of a kernel do not convert, and the converter's own weight quantization then
+finds the same integers), and each activation quantizer is TensorFlow's
+`FakeQuantWithMinMaxVars` op with the learned range, which the converter reads. The converter
+runs with `optimizations=[DEFAULT]` and no representative dataset (asking for the INT8 op set
+alone raises without one). On JAX and PyTorch the model goes through a `.keras` file to a
+child process running Keras on TensorFlow, as `export_tflite` does for PyTorch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+
+import keras
+
+from keras_perf._utils import iter_layers
+from keras_perf.quantization._layers import EXPORT_KERNELS, QuantizedKernelMixin
+from keras_perf.quantization._quantizers import ActivationQuantizer, fake_quant_kernel
+
+
+def is_quantized_model(model) -> bool:
+    """Whether `model` (or a model nested in it) was made by `kp.quantize_aware`."""
+    return any(
+        isinstance(layer, (ActivationQuantizer, QuantizedKernelMixin))
+        for layer in iter_layers(model)
+    )
+
+
+@contextlib.contextmanager
+def constant_kernels(model):
+    """While tracing for export, quantized layers use their fake-quantized kernels as
+    constants (computed eagerly here)."""
+    layers = [x for x in iter_layers(model) if isinstance(x, QuantizedKernelMixin)]
+    for layer in layers:
+        k = fake_quant_kernel(layer.masked_kernel(), layer.weight_bits, layer.channel_axes())
+        EXPORT_KERNELS[id(layer)] = keras.ops.convert_to_numpy(k)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            EXPORT_KERNELS.pop(id(layer), None)
+
+
+def export_quantized(
+    model, path, quantization, representative_data, int8_io, allow_select_tf_ops, custom_modules
+) -> dict:
+    """`export_tflite` for a QAT model (arguments already type-checked by the caller)."""
+    from keras_perf import export as _export
+    from keras_perf.backend import tflite as _tflite
+
+    if quantization != "int8":
+        raise ValueError(
+            "A quantization-aware model is exported with quantization='int8' (its learned "
+            f"ranges); got quantization={quantization!r}. Export the float model for other modes."
+        )
+    if representative_data is not None:
+        raise ValueError(
+            "`representative_data` is not used for a quantization-aware model: its activation "
+            "ranges were learned in training. Drop the argument."
+        )
+    sixteen = sorted(
+        {q.num_bits for q in iter_layers(model) if isinstance(q, ActivationQuantizer)} - {8}
+    )
+    if sixteen:
+        raise ValueError(
+            f"TFLite's int8 export needs 8-bit activations; this model's activation "
+            f"quantizers have {sixteen} bits. Make it with `quantize_aware(..., "
+            "activation_bits=8)`."
+        )
+    if not model.built or not model.inputs:
+        raise ValueError("`model` is not built; give it an `Input` before exporting.")
+    path = _export._check_path(path)
+    if keras.backend.backend() != "tensorflow":
+        return _export._export_via_tensorflow_process(
+            model, path, quantization, None, int8_io, allow_select_tf_ops, list(custom_modules)
+        )
+    specs = _export._input_specs(model)
+    with (
+        tempfile.TemporaryDirectory() as saved_model_dir,
+        _tflite.quiet_tensorflow_logs(),
+        constant_kernels(model),
+    ):
+        model.export(saved_model_dir, format="tf_saved_model", verbose=False)
+        content = _tflite.convert_saved_model(
+            saved_model_dir, "qat_int8", None, int8_io, allow_select_tf_ops
+        )
+    problems = _tflite.integer_problems(content, int8_io, allow_select_tf_ops)
+    if problems:
+        raise ValueError(
+            "The quantization-aware model did not convert to a full-integer file, so nothing "
+            "was written: " + "; ".join(problems) + ". Every op needs a learned range: train "
+            "the model (fit) before exporting, and quantize layers TFLite has int8 kernels for."
+        )
+    import json
+
+    order = [name for name, _, _ in specs]
+    keys = [d["key"] for d in _tflite.describe(content)[0]]
+    if sorted(order) == sorted(k for k in keys if k is not None):
+        metadata = json.dumps({"inputs": order}).encode()
+        content = _tflite.add_metadata(content, _export.METADATA_NAME, metadata)
+    path.write_bytes(content)
+    return _export._report(path, content, quantization)

@@ -1,0 +1,245 @@
+"""Keras layers whose kernel is fake-quantized: subclasses of Dense, EinsumDense, Conv1D/2D/3D
+and DepthwiseConv2D.
+
+Each is the float layer's own class underneath (same config, same `kernel` and `bias`
+variables, `isinstance(layer, keras.layers.Dense)` still holds); only `call` differs: it uses
+the fake-quantized kernel. The kernel is quantized symmetrically with the narrow integer range
+(`[-(2^(b-1)-1), 2^(b-1)-1]`), per output channel by default, its scale taken from the
+kernel itself at every step (tfmot's `LastValueQuantizer`). With `sparsity_mask=True` the layer
+holds a 0/1 mask of the kernel's non-zero entries (taken when `quantize_aware` cloned a pruned
+layer) and uses `kernel * mask`, so pruned weights get no gradient and stay exactly 0.
+"""
+
+from __future__ import annotations
+
+import keras
+from keras import ops
+
+from keras_perf.quantization._quantizers import WEIGHT_BITS, check_bits, fake_quant_kernel
+
+# Export: id(layer) -> numpy fake-quantized kernel, used as a constant while the model is
+# traced for TFLite (per-channel fake-quant ops in the graph do not convert; see FACTS).
+EXPORT_KERNELS: dict[int, object] = {}
+
+
+class QuantizedKernelMixin:
+    """What the quantized kernel layers share: config, mask, the quantized kernel."""
+
+    def _init_quantization(self, weight_bits, per_channel, sparsity_mask, activation_quantizer):
+        self.weight_bits = check_bits("weight_bits", weight_bits, WEIGHT_BITS)
+        self.per_channel = bool(per_channel)
+        self.sparsity_mask = bool(sparsity_mask)
+        # Name of the ActivationQuantizer that ends this layer's fused block (for the report).
+        self.activation_quantizer = activation_quantizer
+        self.kernel_mask = None
+
+    def _build_mask(self):
+        if self.sparsity_mask:
+            self.kernel_mask = self.add_weight(
+                shape=self.kernel.shape,
+                initializer="ones",
+                trainable=False,
+                name="kernel_mask",
+                dtype=self.kernel.dtype,
+                autocast=False,
+            )
+
+    def channel_axes(self):
+        """Axes of the kernel that index output channels (`None`: per-tensor)."""
+        if not self.per_channel:
+            return None
+        return (len(self.kernel.shape) - 1,)
+
+    def masked_kernel(self):
+        k = self.kernel
+        if self.kernel_mask is not None:
+            k = ops.multiply(k, ops.cast(self.kernel_mask, k.dtype))
+        return k
+
+    def quantized_kernel(self):
+        """The fake-quantized kernel this layer computes with."""
+        constant = EXPORT_KERNELS.get(id(self))
+        if constant is not None:
+            return ops.convert_to_tensor(constant)
+        return fake_quant_kernel(self.masked_kernel(), self.weight_bits, self.channel_axes())
+
+    def _quantization_config(self):
+        return {
+            "weight_bits": self.weight_bits,
+            "per_channel": self.per_channel,
+            "sparsity_mask": self.sparsity_mask,
+            "activation_quantizer": self.activation_quantizer,
+        }
+
+    def _finish(self, x):
+        if self.activation is not None:
+            x = self.activation(x)
+        return x
+
+
+def _pop(kwargs):
+    return (
+        kwargs.pop("weight_bits", 8),
+        kwargs.pop("per_channel", True),
+        kwargs.pop("sparsity_mask", False),
+        kwargs.pop("activation_quantizer", None),
+    )
+
+
+@keras.saving.register_keras_serializable(package="keras_perf")
+class QuantizedDense(QuantizedKernelMixin, keras.layers.Dense):
+    """`keras.layers.Dense` with a fake-quantized kernel (see `kp.quantize_aware`)."""
+
+    def __init__(self, *args, **kwargs):
+        q = _pop(kwargs)
+        super().__init__(*args, **kwargs)
+        self._init_quantization(*q)
+
+    def build(self, input_shape):
+        super().build(input_shape)
+        self._build_mask()
+
+    def call(self, inputs, training=None):
+        x = ops.matmul(inputs, self.quantized_kernel())
+        if self.bias is not None:
+            x = ops.add(x, self.bias)
+        return self._finish(x)
+
+    def get_config(self):
+        return {**super().get_config(), **self._quantization_config()}
+
+
+@keras.saving.register_keras_serializable(package="keras_perf")
+class QuantizedEinsumDense(QuantizedKernelMixin, keras.layers.EinsumDense):
+    """`keras.layers.EinsumDense` with a fake-quantized kernel (per channel: its last axis)."""
+
+    def __init__(self, *args, **kwargs):
+        q = _pop(kwargs)
+        super().__init__(*args, **kwargs)
+        self._init_quantization(*q)
+
+    def build(self, input_shape):
+        super().build(input_shape)
+        self._build_mask()
+
+    def call(self, inputs, training=None):
+        x = ops.einsum(self.equation, inputs, self.quantized_kernel())
+        if self.bias is not None:
+            x = ops.add(x, self.bias)
+        return self._finish(x)
+
+    def get_config(self):
+        return {**super().get_config(), **self._quantization_config()}
+
+
+class _QuantizedConvMixin(QuantizedKernelMixin):
+    def __init__(self, *args, **kwargs):
+        q = _pop(kwargs)
+        super().__init__(*args, **kwargs)
+        self._init_quantization(*q)
+
+    def build(self, input_shape):
+        super().build(input_shape)
+        self._build_mask()
+
+    def _conv(self, inputs, kernel):
+        if self.padding == "causal":  # Conv1D only: pad on the left, then "valid".
+            left = self.dilation_rate[0] * (self.kernel_size[0] - 1)
+            pad = [[0, 0], [left, 0], [0, 0]]
+            if self.data_format == "channels_first":
+                pad = [[0, 0], [0, 0], [left, 0]]
+            inputs = ops.pad(inputs, pad)
+            return ops.conv(
+                inputs,
+                kernel,
+                strides=list(self.strides),
+                padding="valid",
+                dilation_rate=self.dilation_rate,
+                data_format=self.data_format,
+            )
+        return self.convolution_op(inputs, kernel)
+
+    def _bias(self, x, channels):
+        if not self.use_bias:
+            return x
+        if self.data_format == "channels_last":
+            shape = (1,) * (self.rank + 1) + (channels,)
+        else:
+            shape = (1, channels) + (1,) * self.rank
+        return ops.add(x, ops.reshape(self.bias, shape))
+
+    def call(self, inputs):
+        x = self._conv(inputs, self.quantized_kernel())
+        return self._finish(self._bias(x, self.filters))
+
+    def get_config(self):
+        return {**super().get_config(), **self._quantization_config()}
+
+
+@keras.saving.register_keras_serializable(package="keras_perf")
+class QuantizedConv1D(_QuantizedConvMixin, keras.layers.Conv1D):
+    """`keras.layers.Conv1D` with a fake-quantized kernel (see `kp.quantize_aware`)."""
+
+
+@keras.saving.register_keras_serializable(package="keras_perf")
+class QuantizedConv2D(_QuantizedConvMixin, keras.layers.Conv2D):
+    """`keras.layers.Conv2D` with a fake-quantized kernel (see `kp.quantize_aware`)."""
+
+
+@keras.saving.register_keras_serializable(package="keras_perf")
+class QuantizedConv3D(_QuantizedConvMixin, keras.layers.Conv3D):
+    """`keras.layers.Conv3D` with a fake-quantized kernel (see `kp.quantize_aware`)."""
+
+
+@keras.saving.register_keras_serializable(package="keras_perf")
+class QuantizedDepthwiseConv2D(QuantizedKernelMixin, keras.layers.DepthwiseConv2D):
+    """`keras.layers.DepthwiseConv2D` with a fake-quantized kernel; its channels are
+    input channel x multiplier (the last two kernel axes), as TFLite quantizes them."""
+
+    def __init__(self, *args, **kwargs):
+        q = _pop(kwargs)
+        super().__init__(*args, **kwargs)
+        self._init_quantization(*q)
+
+    def build(self, input_shape):
+        super().build(input_shape)
+        self._build_mask()
+
+    def channel_axes(self):
+        if not self.per_channel:
+            return None
+        n = len(self.kernel.shape)
+        return (n - 2, n - 1)
+
+    def call(self, inputs):
+        x = ops.depthwise_conv(
+            inputs,
+            self.quantized_kernel(),
+            strides=self.strides,
+            padding=self.padding,
+            dilation_rate=self.dilation_rate,
+            data_format=self.data_format,
+        )
+        if self.use_bias:
+            channels = self.kernel.shape[-2] * self.kernel.shape[-1]
+            if self.data_format == "channels_last":
+                shape = (1,) * (self.rank + 1) + (channels,)
+            else:
+                shape = (1, channels) + (1,) * self.rank
+            x = ops.add(x, ops.reshape(self.bias, shape))
+        return self._finish(x)
+
+    def get_config(self):
+        return {**super().get_config(), **self._quantization_config()}
+
+
+# Float class -> quantized class. Exact classes only: a user's subclass of Dense may have its
+# own `call`, which the quantized class would silently drop.
+QUANTIZED_CLASSES = {
+    keras.layers.Dense: QuantizedDense,
+    keras.layers.EinsumDense: QuantizedEinsumDense,
+    keras.layers.Conv1D: QuantizedConv1D,
+    keras.layers.Conv2D: QuantizedConv2D,
+    keras.layers.Conv3D: QuantizedConv3D,
+    keras.layers.DepthwiseConv2D: QuantizedDepthwiseConv2D,
+}

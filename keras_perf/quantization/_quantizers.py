@@ -1,0 +1,136 @@
+"""Fake quantization: symmetric per-channel kernels and moving-average activation ranges.
+
+Both build on `keras.quantizers.fake_quant_with_min_max_vars`, which Keras implements with
+TensorFlow's `FakeQuantWithMinMaxVars*` ops on the TensorFlow backend (the ops TFLite's
+converter reads ranges from) and with a straight-through `custom_gradient` on JAX and PyTorch
+(checked with Keras 3.15): the gradient passes unchanged inside the (nudged) range and is zero
+outside it.
+"""
+
+from __future__ import annotations
+
+import keras
+from keras import ops
+
+from keras_perf._utils import check_int
+
+WEIGHT_BITS = range(2, 9)
+ACTIVATION_BITS = (*range(2, 9), 16)
+# A channel whose weights are all zero (e.g. pruned) still needs a positive scale.
+_TINY = 1e-12
+
+
+def check_bits(name: str, value, allowed) -> int:
+    check_int(name, value)
+    if value not in allowed:
+        lo, hi = min(allowed), max(v for v in allowed if v <= 8)
+        extra = " or 16" if 16 in allowed else ""
+        raise ValueError(f"`{name}` must be an integer in {lo}-{hi}{extra}; got {value!r}.")
+    return int(value)
+
+
+def kernel_range(kernel, channel_axes):
+    """`max |w|` per output channel (reduced over every other axis), or over the whole tensor
+    when `channel_axes` is `None`; no gradient flows through the range."""
+    a = ops.abs(kernel)
+    if channel_axes is None:
+        m = ops.max(a)
+    else:
+        axes = tuple(i for i in range(len(kernel.shape)) if i not in channel_axes)
+        m = ops.max(a, axis=axes) if axes else a
+    return ops.stop_gradient(ops.maximum(m, _TINY))
+
+
+def fake_quant_kernel(kernel, bits: int, channel_axes):
+    """Symmetric narrow-range fake quantization of a kernel: integers in
+    [-(2^(b-1)-1), 2^(b-1)-1] times a scale `max|w| / (2^(b-1)-1)` per channel."""
+    m = kernel_range(kernel, channel_axes)
+    if channel_axes is None:
+        return keras.quantizers.fake_quant_with_min_max_vars(
+            kernel, -m, m, num_bits=bits, narrow_range=True
+        )
+    shape = ops.shape(kernel)
+    if len(channel_axes) > 1:  # Depthwise: channels = in x multiplier, the last two axes.
+        flat = ops.reshape(kernel, (*kernel.shape[: channel_axes[0]], -1))
+        m = ops.reshape(m, (-1,))
+        q = keras.quantizers.fake_quant_with_min_max_vars(
+            flat, -m, m, num_bits=bits, narrow_range=True, axis=-1
+        )
+        return ops.reshape(q, shape)
+    return keras.quantizers.fake_quant_with_min_max_vars(
+        kernel, -m, m, num_bits=bits, narrow_range=True, axis=channel_axes[0]
+    )
+
+
+@keras.saving.register_keras_serializable(package="keras_perf")
+class ActivationQuantizer(keras.layers.Layer):
+    """Fake-quantizes a tensor with a range learned as a moving average (as tfmot's
+    `MovingAverageQuantizer`).
+
+    In training, the range is an exponential moving average of the batch's min and max (each
+    widened to include 0); the first training batch sets it directly. At inference the range
+    is frozen. `min`/`max` are non-trainable weights, so they are saved with the model.
+
+    Args:
+        num_bits: Bits of the integer range: 2-8, or 16. Defaults to `8`.
+        ema_decay: Weight of the old range in the moving average. Defaults to `0.999`.
+        **kwargs: Layer arguments (`name`, ...).
+    """
+
+    def __init__(self, num_bits: int = 8, ema_decay: float = 0.999, **kwargs):
+        super().__init__(**kwargs)
+        self.num_bits = check_bits("num_bits", num_bits, ACTIVATION_BITS)
+        if not 0.0 <= float(ema_decay) < 1.0:
+            raise ValueError(f"`ema_decay` must be in [0, 1); got {ema_decay!r}.")
+        self.ema_decay = float(ema_decay)
+        self.supports_masking = True
+
+    def build(self, input_shape):
+        self.min = self.add_weight(
+            shape=(),
+            initializer=keras.initializers.Constant(-6.0),
+            trainable=False,
+            name="min",
+            dtype="float32",
+            autocast=False,
+        )
+        self.max = self.add_weight(
+            shape=(),
+            initializer=keras.initializers.Constant(6.0),
+            trainable=False,
+            name="max",
+            dtype="float32",
+            autocast=False,
+        )
+        self.initialized = self.add_weight(
+            shape=(),
+            initializer="zeros",
+            trainable=False,
+            name="initialized",
+            dtype="float32",
+            autocast=False,
+        )
+
+    def call(self, inputs, training=None):
+        x = ops.cast(inputs, "float32")
+        lo, hi = self.min.value, self.max.value
+        if training:
+            batch_min = ops.minimum(ops.stop_gradient(ops.min(x)), 0.0)
+            batch_max = ops.maximum(ops.stop_gradient(ops.max(x)), 0.0)
+            first = ops.equal(self.initialized.value, 0.0)
+            d = self.ema_decay
+            lo = ops.where(first, batch_min, d * lo + (1.0 - d) * batch_min)
+            hi = ops.where(first, batch_max, d * hi + (1.0 - d) * batch_max)
+            self.min.assign(lo)
+            self.max.assign(hi)
+            self.initialized.assign(ops.ones((), "float32"))
+        y = keras.quantizers.fake_quant_with_min_max_vars(
+            x, lo, hi, num_bits=self.num_bits, narrow_range=False
+        )
+        return ops.cast(y, inputs.dtype)
+
+    def compute_output_shape(self, input_shape):
+        return input_shape
+
+    def get_config(self):
+        return {**super().get_config(), "num_bits": self.num_bits, "ema_decay": self.ema_decay}

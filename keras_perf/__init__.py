@@ -18,6 +18,7 @@ if _imports.command_start():
 else:
     from keras_perf import backend
     from keras_perf._utils import KerasPerfWarning
+    from keras_perf.channel_pruning import ChannelPruningCallback, channel_report, shrink
     from keras_perf.devices import configure_devices, device_report
     from keras_perf.distillation import DistillationModel, precompute_teacher_logits
     from keras_perf.export import compression_report, export_tflite, tflite_predict
@@ -38,6 +39,7 @@ else:
     from keras_perf.train_step import LossScaledModel, LossScaleTrainStep, loss_scaled
 
 __all__ = [
+    "ChannelPruningCallback",
     "ConstantSparsity",
     "DistillationModel",
     "EarlyStopping",
@@ -50,6 +52,7 @@ __all__ = [
     "TimeLimit",
     "TrainingMonitor",
     "backend",
+    "channel_report",
     "check_mixed_precision",
     "compression_report",
     "configure_devices",
@@ -63,6 +66,7 @@ __all__ = [
     "precompute_teacher_logits",
     "prune_low_magnitude",
     "setup_mixed_precision",
+    "shrink",
     "sparsity_report",
     "strip_pruning",
     "tflite_predict",

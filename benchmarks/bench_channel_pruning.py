@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import keras  # noqa: E402
@@ -36,6 +37,7 @@ from _harness import abba, finish, parse_args, row  # noqa: E402
 
 import keras_perf as kp  # noqa: E402
 
+warnings.filterwarnings("ignore", message=r"(?s).*tf.lite.Interpreter is deprecated")
 L = keras.layers
 BACKEND = keras.backend.backend()
 BATCH = 64

@@ -18,6 +18,7 @@ if _imports.command_start():
 else:
     from keras_perf import backend
     from keras_perf._utils import KerasPerfWarning
+    from keras_perf.channel_pruning import ChannelPruningCallback, channel_report, shrink
     from keras_perf.devices import configure_devices, device_report
     from keras_perf.distillation import DistillationModel, precompute_teacher_logits
     from keras_perf.export import compression_report, export_tflite, tflite_predict
@@ -45,6 +46,7 @@ else:
 
 __all__ = [
     "ActivationQuantizer",
+    "ChannelPruningCallback",
     "ConstantSparsity",
     "DistillationModel",
     "EarlyStopping",
@@ -57,6 +59,7 @@ __all__ = [
     "TimeLimit",
     "TrainingMonitor",
     "backend",
+    "channel_report",
     "check_mixed_precision",
     "compression_report",
     "configure_devices",
@@ -73,6 +76,7 @@ __all__ = [
     "quantization_report",
     "quantize_aware",
     "setup_mixed_precision",
+    "shrink",
     "sparsity_report",
     "strip_pruning",
     "tflite_predict",

@@ -1,0 +1,187 @@
+"""Channel pruning: is `kp.shrink(model)` as small and as fast as the model built smaller?
+
+Claims (docs/channel_pruning.md):
+1. `kp.shrink` of a model with half the channels of every prunable group removed runs as fast
+   as the same architecture built by hand at the smaller widths: shrink / twin <= 1.10, for
+   the compiled forward call, `predict` over 1,024 examples at batch 64 and (TensorFlow) the
+   TFLite file.
+2. On a small ResNet-style CNN (residual adds, BatchNorm), the shrunk model is >= 1.8x faster
+   than the original for the TFLite file and the TF compiled forward call (shrink / original
+   <= 0.556).
+
+Models: the ResNet-style CNN at 16x16 and 32x32 inputs, and
+`keras.applications.MobileNetV2(alpha=0.35, weights=None, input_shape=(32, 32, 3))`.
+Half the channels are removed by `kp.ChannelPruningCallback(kp.ConstantSparsity(0.5, 0))`
+over one training step. The ResNet twin is `resnet(width / 2)`; MobileNetV2's twin is a fresh
+model built from the shrunk model's config (its groups shrink unevenly: no `alpha` gives the
+same widths). Params and MACs (from `kp.channel_report`) go in each row's note.
+
+Each timed unit (one forward call of batch 64, one `predict` of 1,024 examples, 20 TFLite
+invokes of one example) alternates A B B A in one process; rows give the median ratio and its
+spread. Run:
+
+    KERAS_BACKEND=tensorflow python benchmarks/bench_channel_pruning.py [--quick] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+from _harness import abba, finish, parse_args, row  # noqa: E402
+
+import keras_perf as kp  # noqa: E402
+
+warnings.filterwarnings("ignore", message=r"(?s).*tf.lite.Interpreter is deprecated")
+L = keras.layers
+BACKEND = keras.backend.backend()
+BATCH = 64
+
+
+def resnet(width: int, size: int, name: str = "resnet") -> keras.Model:
+    """Stem, two stages of two residual blocks (the second stage at 2x width, stride 2)."""
+    inp = keras.Input((size, size, 3), name="image")
+    x = L.Conv2D(width, 3, padding="same", use_bias=False, name="stem")(inp)
+    x = L.ReLU()(L.BatchNormalization(name="stem_bn")(x))
+    for stage, w in enumerate((width, 2 * width)):
+        if stage:
+            x = L.Conv2D(w, 1, strides=2, use_bias=False, name=f"s{stage}_proj")(x)
+            x = L.BatchNormalization(name=f"s{stage}_proj_bn")(x)
+        for block in range(2):
+            y = L.Conv2D(w, 3, padding="same", use_bias=False, name=f"s{stage}b{block}_c1")(x)
+            y = L.ReLU()(L.BatchNormalization(name=f"s{stage}b{block}_bn1")(y))
+            y = L.Conv2D(w, 3, padding="same", use_bias=False, name=f"s{stage}b{block}_c2")(y)
+            y = L.BatchNormalization(name=f"s{stage}b{block}_bn2")(y)
+            x = L.ReLU()(L.Add()([x, y]))
+    x = L.GlobalAveragePooling2D()(x)
+    return keras.Model(inp, L.Dense(10, name="logits")(x), name=name)
+
+
+def mobilenet() -> keras.Model:
+    return keras.applications.MobileNetV2(
+        alpha=0.35, weights=None, input_shape=(32, 32, 3), classes=10
+    )
+
+
+def prune_half(model) -> keras.Model:
+    """One training step with the callback at 50 %, then `kp.shrink`."""
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x = np.random.default_rng(0).random((BATCH, *model.inputs[0].shape[1:]), dtype="float32")
+    y = np.zeros((BATCH,), "int32")
+    cb = kp.ChannelPruningCallback(kp.ConstantSparsity(0.5, 0))
+    model.fit(x, y, batch_size=BATCH, epochs=1, callbacks=[cb], verbose=0)
+    return kp.shrink(model)
+
+
+def forward(model, x):
+    """A callable: one compiled forward call of `model` on `x`, waited for."""
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        fn = tf.function(lambda t: model(t, training=False))
+        xt = tf.constant(x)
+        return lambda: fn(xt).numpy()
+    if BACKEND == "jax":
+        import jax
+
+        tv = [v.value for v in model.trainable_variables]
+        ntv = [v.value for v in model.non_trainable_variables]
+        fn = jax.jit(lambda a, b, t: model.stateless_call(a, b, t, training=False)[0])
+        xt = jax.numpy.asarray(x)
+        return lambda: jax.block_until_ready(fn(tv, ntv, xt))
+    import torch
+
+    xt = keras.ops.convert_to_tensor(x)
+
+    def run():
+        with torch.no_grad():
+            return keras.ops.convert_to_numpy(model(xt, training=False))
+
+    return run
+
+
+def predict(model, x):
+    return lambda: model.predict(x, batch_size=BATCH, verbose=0)
+
+
+def tflite(model, x, folder, invokes=20):
+    import tensorflow as tf
+
+    path = os.path.join(folder, f"{model.name}_{id(model)}.tflite")
+    kp.export_tflite(model, path)
+    interp = tf.lite.Interpreter(model_path=path, num_threads=1)
+    interp.allocate_tensors()
+    inp = interp.get_input_details()[0]["index"]
+    out = interp.get_output_details()[0]["index"]
+    one = x[:1]
+
+    def run():
+        for _ in range(invokes):
+            interp.set_tensor(inp, one)
+            interp.invoke()
+        return interp.get_tensor(out)
+
+    return run, os.path.getsize(path)
+
+
+def sizes(model) -> tuple[int, int]:
+    total = kp.channel_report(model)["total"]
+    return total["params_before"], total["macs_before"]
+
+
+def measure(name, original, small, twin, repeats, rows, folder):
+    p0, m0 = sizes(original)
+    p1, m1 = sizes(small)
+    p2, m2 = sizes(twin)
+    note = f"params {p0}->{p1} (twin {p2}), MACs {m0}->{m1} (twin {m2})"
+    print(f"{name}: {note}")
+    x = np.random.default_rng(1).random((1024, *original.inputs[0].shape[1:]), dtype="float32")
+    kinds = {"forward": forward, "predict": predict}
+    for kind, make in kinds.items():
+        data = x[:BATCH] if kind == "forward" else x
+        runs = {k: make(m, data) for k, m in (("o", original), ("s", small), ("t", twin))}
+        for fn in runs.values():
+            fn()
+            fn()  # warm-up: trace and compile
+        fast = abba(runs["o"], runs["s"], repeats)
+        rows.append(row(f"{name} {kind}: shrink / original", fast,
+                        "<= 0.556" if name.startswith("resnet") and kind == "forward" else "-",
+                        note=note))  # fmt: skip
+        rows.append(row(f"{name} {kind}: shrink / twin", abba(runs["t"], runs["s"], repeats),
+                        "<= 1.10", note=note))  # fmt: skip
+    if BACKEND == "tensorflow":
+        runs, files = {}, {}
+        for k, m in (("o", original), ("s", small), ("t", twin)):
+            runs[k], files[k] = tflite(m, x, folder)
+            runs[k]()
+        note_f = f"{note}; file bytes {files['o']}->{files['s']} (twin {files['t']})"
+        rows.append(row(f"{name} tflite: shrink / original", abba(runs["o"], runs["s"], repeats),
+                        "<= 0.556" if name.startswith("resnet") else "-", note=note_f))  # fmt: skip
+        rows.append(row(f"{name} tflite: shrink / twin", abba(runs["t"], runs["s"], repeats),
+                        "<= 1.10", note=note_f))  # fmt: skip
+
+
+def main():
+    args = parse_args(__doc__.splitlines()[0])
+    repeats = 2 if args.quick else 7
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        for size in (16,) if args.quick else (16, 32):
+            original = resnet(32, size)
+            small = prune_half(original)
+            twin = resnet(16, size, name="twin")
+            measure(f"resnet{size}", original, small, twin, repeats, rows, folder)
+        original = mobilenet()
+        small = prune_half(original)
+        twin = keras.Model.from_config(small.get_config())
+        measure("mobilenetv2_0.35", original, small, twin, repeats, rows, folder)
+    finish(rows, args)
+
+
+if __name__ == "__main__":
+    main()

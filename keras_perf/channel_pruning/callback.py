@@ -1,0 +1,247 @@
+"""`ChannelPruningCallback`: mask whole channels during `fit`, following a pruning schedule."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+from keras import ops
+
+from keras_perf import backend as _backend
+from keras_perf._utils import check_choice, check_int
+from keras_perf.channel_pruning import _select
+from keras_perf.channel_pruning._graph import ChannelGraph
+from keras_perf.pruning import PruningSchedule
+
+
+class _ChannelMask:
+    """Variable constraint `w -> mask * original(w)`, run by the optimizer after each update.
+
+    Never serialized: layers serialize their own `*_constraint` arguments, not the variable's,
+    so a saved model stays a plain Keras model.
+    """
+
+    def __init__(self, mask: keras.Variable, original=None):
+        self.mask = mask
+        self.original = original
+
+    def __call__(self, w):
+        if self.original is not None:
+            w = self.original(w)
+        return ops.multiply(w, ops.cast(self.mask, w.dtype))
+
+
+def _mask_array(graph, w, removed) -> np.ndarray:
+    shape = tuple(int(d) for d in w.variable.shape)
+    mask = np.ones(shape, dtype="float32")
+    for axis, slots in w.axes.items():
+        keep = _select.keep_vector(graph, slots, removed).astype("float32")
+        view = [1] * len(shape)
+        view[axis] = shape[axis]
+        mask = mask * keep.reshape(view)
+    return mask
+
+
+@keras.saving.register_keras_serializable(package="keras_perf")
+class ChannelPruningCallback(keras.callbacks.Callback):
+    """Structured pruning: remove whole output channels, following a pruning schedule.
+
+    At the start of `fit` the Functional (or Sequential) graph is walked to find which layers
+    share channels: a producer (Dense, Conv1D/2D/3D, SeparableConv1D/2D), the
+    BatchNormalization and depthwise filters that follow it, the input slices of the layers
+    that consume it, and producers tied to it by a residual `Add`/`Multiply`/`Subtract` or a
+    `Concatenate` form one *group*. At each step the schedule names, the least important
+    channels of each group are masked: the producer's kernel slice and bias, the BN gamma and
+    beta (so the channel's output is exactly 0), the depthwise filters and every consumer's
+    input slice. The masks are the weights' constraints, applied by the optimizer after every
+    update, so the model trains as usual. `kp.shrink(model)` then removes the masked channels.
+
+    Groups that reach a model output, or a layer needing all of its channels (softmax,
+    LayerNormalization, Reshape, ...), are not pruned; `kp.channel_report` says why. What the
+    walk cannot follow (Lambda, custom layers, raw `keras.ops`, shared layers, concatenation
+    off the channel axis, grouped or channels-first convolutions) is an error at the start of
+    `fit`, unless the producers reaching it are excluded.
+
+    Args:
+        schedule: `kp.PolynomialDecay` or `kp.ConstantSparsity` (or any
+            `kp.PruningSchedule`): when to recompute the masks and the fraction of channels
+            to remove in each group.
+        importance: `"l2"` (norm of each channel's weights in every member of its group,
+            summed over the members) or `"l1"` (sum of absolute values). Defaults to `"l2"`.
+        scope: `"layer"` (each group loses the schedule's fraction of its channels) or
+            `"global"` (channels of all groups ranked together by importance divided by their
+            group's mean importance). Defaults to `"layer"`.
+        include: Prune only the groups of these producer layers (names or regexes).
+            Defaults to `None` (every group that can be pruned).
+        exclude: Never prune the groups of these producer layers; one excluded producer
+            keeps its whole group. Defaults to `None`.
+        verbose: 1 prints a line at each mask update. Defaults to `0`.
+
+    Raises:
+        TypeError: a schedule that is not a `kp.PruningSchedule`, bad include/exclude items.
+        ValueError: bad `importance` or `scope`; at the start of `fit`: an uncompiled or
+            subclassed model, an include/exclude name that is no producer, or a group reaching
+            what the walk cannot follow (the message names it and the `exclude` to pass).
+
+    Example:
+
+    >>> model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32, activation="relu"),
+    ...                           keras.layers.Dense(4)])
+    >>> model.compile("adam", "mse")
+    >>> cb = kp.ChannelPruningCallback(kp.ConstantSparsity(0.5, begin_step=0, frequency=10))
+    >>> _ = model.fit(np.random.rand(64, 16), np.random.rand(64, 4), callbacks=[cb], verbose=0)
+    >>> kp.shrink(model).layers[0].units
+    16
+    """
+
+    def __init__(
+        self,
+        schedule,
+        importance: str = "l2",
+        scope: str = "layer",
+        include=None,
+        exclude=None,
+        verbose: int = 0,
+    ):
+        super().__init__()
+        if not isinstance(schedule, PruningSchedule):
+            raise TypeError(
+                "`schedule` must be a kp.PolynomialDecay, kp.ConstantSparsity or another "
+                f"kp.PruningSchedule; got {schedule!r}."
+            )
+        self.schedule = schedule
+        self.importance = check_choice("importance", importance, _select.IMPORTANCE)
+        self.scope = check_choice("scope", scope, ("layer", "global"))
+        self.include = _select.check_names("include", include)
+        self.exclude = _select.check_names("exclude", exclude)
+        self.verbose = check_int("verbose", verbose, minimum=0)
+        # Only on_train_batch_begin is overridden, which Keras always calls in line.
+        self.async_safe = True
+        self.graph: ChannelGraph | None = None
+        self.removed: set = set()
+        self.sparsity = 0.0
+        self.history: list[dict] = []
+        self._masks: list = []  # (WeightAxes, mask variable)
+        self._carried = False
+        self._step = 0
+        self._spe = 1
+
+    def get_config(self) -> dict:
+        return {
+            "schedule": keras.saving.serialize_keras_object(self.schedule),
+            "importance": self.importance,
+            "scope": self.scope,
+            "include": [i if isinstance(i, str) else i.pattern for i in self.include] or None,
+            "exclude": [i if isinstance(i, str) else i.pattern for i in self.exclude] or None,
+            "verbose": self.verbose,
+        }
+
+    @classmethod
+    def from_config(cls, config: dict):
+        config = dict(config)
+        config["schedule"] = keras.saving.deserialize_keras_object(config["schedule"])
+        return cls(**config)
+
+    # -- hooks --------------------------------------------------------------------------------
+    def on_train_begin(self, logs=None):
+        model = self.model  # on JAX this attaches the latest state to the variables
+        if getattr(model, "optimizer", None) is None:
+            raise ValueError(
+                "ChannelPruningCallback needs a compiled model (it counts optimizer steps)."
+            )
+        self.graph = ChannelGraph(model)
+        _select.resolve(self.graph, self.include, self.exclude)
+        selected = [g for g in self.graph.groups if g.selected]
+        # Resuming (or a second fit): channels already all-zero stay masked.
+        self.removed = _select.zero_channels(self.graph, selected)
+        self._install(model, selected)
+        self._step = int(ops.convert_to_numpy(model.optimizer.iterations))
+        self._spe = int(getattr(model, "steps_per_execution", 1) or 1)
+        self.history = []
+        self._update_sparsity()
+
+    def _install(self, model, selected) -> None:
+        wanted = {int(c) for g in selected for c in g.channels}
+        self._masks, changed, seen = [], False, set()
+        for info in self.graph.infos:
+            for w in info.weights:
+                v = w.variable
+                if not v.trainable or id(v) in seen:
+                    continue
+                channels = {
+                    int(c)
+                    for slots in w.axes.values()
+                    for c in self.graph.channel_of[slots[slots >= 0]]
+                }
+                if not channels & wanted:
+                    continue
+                seen.add(id(v))
+                current = v.constraint
+                if isinstance(current, _ChannelMask):
+                    mask = current.mask
+                    mask.assign(_mask_array(self.graph, w, self.removed))
+                else:
+                    mask = keras.Variable(
+                        _mask_array(self.graph, w, self.removed), dtype=v.dtype,
+                        trainable=False, autocast=False, name="channel_mask",
+                    )  # fmt: skip
+                    v.constraint = _ChannelMask(mask, current)
+                    changed = True
+                self._masks.append((w, mask))
+        self._carried = _backend.carry_in_step_state(model, [m for _, m in self._masks])
+        if changed and getattr(model, "train_function", None) is not None:
+            model.make_train_function(force=True)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        step = self._step
+        self._step += self._spe
+        due = None
+        for s in range(step, step + self._spe):
+            should, sparsity = self.schedule(s)
+            if should:
+                due = (s, sparsity)
+        if due is not None:
+            self._update(*due)
+
+    def on_epoch_end(self, epoch, logs=None):
+        if logs is not None:
+            logs["channel_sparsity"] = self.sparsity
+
+    def on_train_end(self, logs=None):
+        if self.graph is None:
+            return
+        model = self.model
+        self._apply()  # weight EMA may have overwritten the weights after the last step
+        if self._carried:
+            _backend.release_step_state(model, [m for _, m in self._masks])
+            self._carried = False
+
+    # -- masks --------------------------------------------------------------------------------
+    def _apply(self) -> None:
+        for w, mask in self._masks:
+            v = w.variable
+            v.assign(ops.multiply(v.value, ops.cast(mask.value, v.dtype)))
+
+    def _update(self, step: int, sparsity: float) -> None:
+        model = self.model  # on JAX this attaches the latest state to the variables
+        self.removed = _select.choose(self.graph, sparsity, self.importance, self.scope)
+        for w, mask in self._masks:
+            mask.assign(_mask_array(self.graph, w, self.removed))
+        self._apply()
+        self._update_sparsity()
+        self.history.append({"step": step, "target_sparsity": sparsity,
+                             "sparsity": self.sparsity})  # fmt: skip
+        if not self._carried and not _backend.STEP_READS_EXTERNAL_VARIABLES:
+            if getattr(model, "train_function", None) is not None:
+                model.make_train_function(force=True)
+        if self.verbose:
+            print(
+                f"ChannelPruningCallback: step {step}: target sparsity {sparsity:.4f}, "
+                f"removed {len(self.removed)} channels ({self.sparsity:.4f} of the prunable)"
+            )
+
+    def _update_sparsity(self) -> None:
+        total = sum(len(g.channels) for g in self.graph.groups if g.selected)
+        self.sparsity = len(self.removed) / total if total else 0.0
+
+
+__all__ = ["ChannelPruningCallback"]

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -176,19 +175,9 @@ def row(claim: str, result: dict, target: str, backend: str | None = None, note:
 
 def digits():
     """scikit-learn's bundled digits scaled to [0, 1], split 1437/360 in a fixed order."""
-    import numpy as np
-    from sklearn.datasets import load_digits
+    from keras_perf.data import load_digits_split
 
-    data = load_digits()
-    x = (data.images.reshape(len(data.images), -1) / 16.0).astype("float32")
-    y = data.target.astype("int32")
-    idx = np.random.default_rng(0).permutation(len(x))
-    x, y = x[idx], y[idx]
-    return (x[:1437], y[:1437]), (x[1437:], y[1437:])
-
-
-def machine() -> str:
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {platform.platform(terse=True)}"
+    return load_digits_split(seed=0, sizes=(1437,))
 
 
 def finish(rows: list[dict], args: argparse.Namespace) -> None:
@@ -200,5 +189,7 @@ def finish(rows: list[dict], args: argparse.Namespace) -> None:
             f"target {r['target']:<10} ({spread}, n={r['repeats']}) {r['note']}"
         )
     if args.json:
+        from keras_perf.bench import machine
+
         with open(args.json, "w") as f:
             json.dump({"machine": machine(), "rows": rows}, f, indent=1)

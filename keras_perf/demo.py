@@ -29,21 +29,10 @@ import keras
 import numpy as np
 
 from keras_perf._imports import require
+from keras_perf.data import load_digits_split  # train 1077 / val 360 / test 360
 
 SEED = 0
 CLASSES = 10
-
-
-def load_digits_split(seed: int = SEED):
-    """Digits scaled to [0, 1]: train 1077, validation 360, test 360 (stratification-free)."""
-    from sklearn.datasets import load_digits
-
-    data = load_digits()
-    x = (data.images.reshape(len(data.images), -1) / 16.0).astype("float32")
-    y = data.target.astype("int32")
-    idx = np.random.default_rng(seed).permutation(len(x))
-    x, y = x[idx], y[idx]
-    return (x[:1077], y[:1077]), (x[1077:1437], y[1077:1437]), (x[1437:], y[1437:])
 
 
 def _mlp(widths, name, seed):
@@ -384,7 +373,7 @@ def run(out: str | os.PathLike = "keras-perf-demo", epochs: int = 30, verbose: b
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
-    train, val, test = load_digits_split()
+    train, val, test = load_digits_split(seed=SEED)
     demo = _Demo(out, epochs, verbose, train, val, test)
     policy = kp.setup_mixed_precision("auto")
     if verbose:

@@ -10,7 +10,6 @@ os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
-import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 BACKEND = keras.backend.backend()
@@ -39,12 +38,6 @@ def _clean_keras_state():
 @pytest.fixture(scope="session")
 def digits():
     """scikit-learn's bundled 8x8 digits, scaled to [0, 1], split 1437/360 (fixed order)."""
-    from sklearn.datasets import load_digits
+    from keras_perf.data import load_digits_split
 
-    data = load_digits()
-    x = (data.images.reshape(len(data.images), -1) / 16.0).astype("float32")
-    y = data.target.astype("int32")
-    rng = np.random.default_rng(0)
-    idx = rng.permutation(len(x))
-    x, y = x[idx], y[idx]
-    return (x[:1437], y[:1437]), (x[1437:], y[1437:])
+    return load_digits_split(seed=0, sizes=(1437,))

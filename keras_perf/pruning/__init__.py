@@ -1,0 +1,53 @@
+"""Magnitude pruning for Keras 3 as a plain callback: no wrapping, cloning or recompiling.
+
+tensorflow-model-optimization (tfmot) prunes only legacy tf_keras models, wraps every layer and
+cannot reach into subclassed or nested models. Here the model is left as it is:
+
+- every prunable weight gets a 0/1 mask in a non-trainable `keras.Variable`, and the mask is
+  installed as that weight's *constraint*. Keras' optimizers apply constraints right after each
+  update inside the compiled train step, so pruned entries are exactly zero after every step,
+  whatever the optimizer (momentum, Adam, weight decay) does, with no Python work per batch;
+- the callback recomputes the masks (tfmot's rule: keep the k = max(round(n * (1 - s)), 1)
+  largest magnitudes) only at the steps the schedule names, the step being the optimizer's
+  iteration count;
+- nothing is added to the model: saved weights carry the zeros, and a resumed run rebuilds the
+  masks from them, so `model.save`/`load_model` and `BackupAndRestore` keep the pattern.
+
+Public names: `PolynomialDecay`, `ConstantSparsity`, `PruningSchedule`, `PruningCallback`,
+`sparsity_report`, `strip_pruning`, `prune_low_magnitude`.
+
+The parts: `_schedules` (when and how much; `_polynomial` has tfmot's float32 arithmetic),
+`_selection` (which weights), `_masks` (which entries of them), `_constraint` (how a mask is
+held on a weight), `_callback` (`PruningCallback`) and `_oneshot` (the functions).
+"""
+
+from __future__ import annotations
+
+from keras_perf.pruning._callback import PruningCallback
+from keras_perf.pruning._constraint import _MaskConstraint as _MaskConstraint
+from keras_perf.pruning._masks import _magnitude_masks as _magnitude_masks
+from keras_perf.pruning._oneshot import prune_low_magnitude, sparsity_report, strip_pruning
+from keras_perf.pruning._polynomial import _polynomial_sparsity as _polynomial_sparsity
+from keras_perf.pruning._schedules import ConstantSparsity, PolynomialDecay, PruningSchedule
+from keras_perf.pruning._selection import _check_selectors as _check_selectors
+from keras_perf.pruning._selection import _select as _select
+
+__all__ = [
+    "ConstantSparsity",
+    "PolynomialDecay",
+    "PruningCallback",
+    "PruningSchedule",
+    "prune_low_magnitude",
+    "sparsity_report",
+    "strip_pruning",
+]
+
+# The public classes keep `keras_perf.pruning` as their module, as before the split into parts:
+# Keras writes it into serialized configs (`"module"`), and it shows in reprs and pickles.
+for _cls in (ConstantSparsity, PolynomialDecay, PruningCallback, PruningSchedule):
+    _cls.__module__ = __name__
+del _cls
+
+# `doctest.testmod(keras_perf.pruning)` runs the examples of the public names' docstrings,
+# which live in the parts.
+__test__ = {name: globals()[name] for name in __all__}

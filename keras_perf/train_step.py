@@ -602,16 +602,16 @@ def loss_scaled(
         inputs, outputs = model.inputs, model.outputs
     except (AttributeError, ValueError):
         inputs = outputs = None
-    if inputs and outputs and _backend.is_functional(model):
-        # The nested structures (dict, list, nesting), not the flat lists: a dict-output
-        # model keeps its output names, so its dict losses, loss_weights and data still fit.
-        inputs = getattr(model, "_inputs_struct", inputs)
-        outputs = getattr(model, "_outputs_struct", outputs)
     if not inputs or not outputs:
         raise ValueError(
             f"Model '{model.name}' has no inputs yet: give the Sequential model an input shape "
             "(`keras.Input(shape)` as first layer) or call it on data before kp.loss_scaled()."
         )
+    if _backend.is_functional(model):
+        # The nested structures (dict, list, nesting), not the flat lists: a dict-output
+        # model keeps its output names, so its dict losses, loss_weights and data still fit.
+        inputs = getattr(model, "_inputs_struct", inputs)
+        outputs = getattr(model, "_outputs_struct", outputs)
     # Under the strategy `model` was made in (TF), so that the twin trains on its replicas too.
     with _backend.model_scope(model):
         new = LossScaledModel(

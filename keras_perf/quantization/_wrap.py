@@ -14,7 +14,7 @@ import keras
 import numpy as np
 
 from keras_perf._utils import check_bool
-from keras_perf.pruning import _check_selectors, _matches_layer
+from keras_perf.pruning._selection import _check_selectors, _matches_layer  # shared selector rules
 from keras_perf.quantization._layers import QUANTIZED_CLASSES, QuantizedKernelMixin
 from keras_perf.quantization._quantizers import (
     ACTIVATION_BITS,

@@ -3,7 +3,8 @@
 Two parts, as in Lightning's ThroughputMonitor: `EpochMeter` is plain Python that turns clock
 readings into per-epoch figures; `TrainingMonitor` is the Keras callback that forwards hooks to
 it and adds what needs the model (examples seen, memory, loss scale, FLOPs), the logs, the
-crash-safe JSON-lines file, the summary, the plot and the CSV.
+crash-safe JSON-lines file and the TensorBoard scalars (`keras_perf._tensorboard`). The
+summary, the plot and the CSV are built in `keras_perf.monitor_report`.
 
 How the clock is read without slowing training down:
 
@@ -31,40 +32,22 @@ How the clock is read without slowing training down:
 
 from __future__ import annotations
 
-import csv
 import json
 import math
 import os
-import statistics
 import time
 
 import keras
 import numpy as np
 
 from keras_perf import backend as _backend
-from keras_perf._imports import require
-from keras_perf._tensorboard import ScalarWriter, append_bytes
+from keras_perf._tensorboard import ScalarWriter, require_writer
 from keras_perf._utils import check_bool, check_choice, check_int, check_number, warn
 from keras_perf.flops import estimate_flops_per_example, peak_flops_for_device
+from keras_perf.monitor_report import MONITOR_KEYS, plot_history, summarize, write_csv
+from keras_perf.monitor_report import is_number as _is_number
 
 __all__ = ["EpochMeter", "TrainingMonitor"]
-
-#: Keys the monitor adds to each epoch's logs (when their value is known).
-MONITOR_KEYS = (
-    "epoch_time_s",
-    "val_time_s",
-    "steps",
-    "examples",
-    "steps_per_s",
-    "examples_per_s",
-    "step_time_ms_p50",
-    "step_time_ms_p90",
-    "peak_memory_bytes",
-    "loss_scale",
-    "mfu",
-)
-
-_HIGHER_IS_BETTER = ("acc", "auc", "precision", "recall", "f1", "iou", "top_k")
 
 
 class EpochMeter:
@@ -249,8 +232,9 @@ class TrainingMonitor(keras.callbacks.Callback):
     argument. A write that fails later (disk full, I/O error) never stops training: the
     monitor warns once per `fit` and argument (`KerasPerfWarning`), the epoch's record gets
     `log_error` (which argument, which error), `summary()["log_complete"]` becomes False,
-    and later epochs are still written. A failed write leaves no partial line or event
-    behind (the file is cut back), so the files stay readable.
+    and later epochs are still written. A failed write leaves no partial JSON line behind
+    (the file is cut back); a TensorBoard event torn by a full disk cannot be cut back (the
+    writer libraries offer no way), and TensorBoard skips it.
 
     One monitor used for several `fit` calls *continues*: `history` and the log file keep
     growing, and epochs are numbered on: a second `fit` from `initial_epoch=0` after 3 epochs
@@ -268,10 +252,13 @@ class TrainingMonitor(keras.callbacks.Callback):
             nothing, the step count comes from Keras' `params["steps"]` and the percentiles are
             absent. Defaults to `True`.
         verbose: `1` prints one line per epoch. Defaults to `0`.
-        log_dir: Folder for TensorBoard scalars (an event file written without TensorFlow,
-            tags `keras_perf/<key>`), or `None`. Defaults to `None`.
+        log_dir: Folder for TensorBoard scalars (tags `keras_perf/<key>`, one event file per
+            `fit`), written with `tf.summary` when TensorFlow is installed (on any backend),
+            else with tensorboardX (the `tensorboard` extra), or `None`. Defaults to `None`.
 
     Raises:
+        ImportError: when training begins with `log_dir` set and neither TensorFlow nor
+            tensorboardX is installed.
         TypeError: `log_path`/`log_dir` is not a path, a number is not a number, `step_timing`
             is not a bool or `verbose` is not an int.
         ValueError: `flops_per_example` or `peak_flops` <= 0, or `verbose` not 0 or 1; when
@@ -349,12 +336,12 @@ class TrainingMonitor(keras.callbacks.Callback):
         if self.log_path is not None:
             _prepare_file("log_path", self.log_path)
         if self._writer is not None:
+            require_writer("TrainingMonitor(log_dir=...)")
             _prepare_dir("log_dir", self.log_dir)
-            if self._writer.path is None or not os.path.isfile(self._writer.path):
-                try:
-                    self._writer.open()
-                except OSError as exc:
-                    raise _unwritable("log_dir", self.log_dir, exc) from exc
+            try:
+                self._writer.open()  # a new event file for each fit, closed at its end
+            except OSError as exc:
+                raise _unwritable("log_dir", self.log_dir, exc) from exc
         self._fits += 1
         self._offset = None
         self._warned_examples = False
@@ -365,6 +352,15 @@ class TrainingMonitor(keras.callbacks.Callback):
         self._peak = self.peak_flops
         if self._peak is None and self._accelerator:
             self._peak = peak_flops_for_device()
+
+    def on_train_end(self, logs=None) -> None:
+        if self._writer is None or not self._writer.is_open:
+            return
+        try:
+            self._writer.close()
+        except OSError as exc:
+            if self.history:
+                self._write_failed(self.history[-1], "log_dir", self.log_dir, exc)
 
     def on_epoch_begin(self, epoch, logs=None) -> None:
         if self._offset is None:
@@ -467,13 +463,11 @@ class TrainingMonitor(keras.callbacks.Callback):
             except OSError as exc:
                 self._write_failed(record, "log_path", self.log_path, exc)
         if self._writer is not None:
-            scalars = {
-                f"keras_perf/{k}": v
-                for k, v in record.items()
-                if k not in ("epoch", "fit", "time") and _is_number(v)
-            }
             try:
-                self._writer.write(record["epoch"], scalars)
+                for k, v in record.items():
+                    if k not in ("epoch", "fit", "time") and _is_number(v):
+                        self._writer.scalar(f"keras_perf/{k}", v, record["epoch"])
+                self._writer.flush()  # on disk as each epoch ends, as the JSON lines are
             except OSError as exc:
                 self._write_failed(record, "log_dir", self.log_dir, exc)
 
@@ -515,59 +509,7 @@ class TrainingMonitor(keras.callbacks.Callback):
             ValueError: `mode` is not one of the three, or `monitor` was never logged (the
                 message lists the keys that were).
         """
-        check_choice("mode", mode, ("auto", "min", "max"))
-        h = self.history
-        if not h:
-            return {"epochs": 0}
-        if monitor is None:
-            monitor = "val_loss" if any(_is_number(r.get("val_loss")) for r in h) else "loss"
-        values = [(r["epoch"], r.get(monitor)) for r in h if _is_number(r.get(monitor))]
-        if not values:
-            keys = sorted({k for r in h for k, v in r.items() if _is_number(v)})
-            raise ValueError(
-                f"`monitor={monitor!r}` was not recorded; the numeric keys recorded are {keys}."
-            )
-        if mode == "auto":
-            name = monitor[4:] if monitor.startswith("val_") else monitor
-            mode = "max" if any(s in name for s in _HIGHER_IS_BETTER) else "min"
-        pick = max if mode == "max" else min
-        best_epoch, best = pick(values, key=lambda ev: ev[1])
-
-        def col(key):
-            return [r[key] for r in h if _is_number(r.get(key))]
-
-        def total(key):
-            vals = col(key)
-            return sum(vals) if vals else None
-
-        def mean(key):
-            vals = col(key)
-            return statistics.fmean(vals) if vals else None
-
-        def median(key):
-            vals = col(key)
-            return statistics.median(vals) if vals else None
-
-        train, val = total("epoch_time_s") or 0.0, total("val_time_s") or 0.0
-        peaks = col("peak_memory_bytes")
-        return {
-            "epochs": len(h),
-            "fits": len({r.get("fit") for r in h}),
-            "total_time_s": train + val,
-            "train_time_s": train,
-            "val_time_s": val,
-            "steps": total("steps"),
-            "examples": total("examples"),
-            "mean_examples_per_s": mean("examples_per_s"),
-            "median_examples_per_s": median("examples_per_s"),
-            "mean_steps_per_s": mean("steps_per_s"),
-            "median_steps_per_s": median("steps_per_s"),
-            "step_time_ms_p50": median("step_time_ms_p50"),
-            "peak_memory_bytes": max(peaks) if peaks else None,
-            "mean_mfu": mean("mfu"),
-            "log_complete": not any(r.get("log_error") for r in h),
-            "best": {"metric": monitor, "value": best, "epoch": best_epoch, "mode": mode},
-        }
+        return summarize(self.history, monitor, mode)
 
     def to_csv(self, path: str | os.PathLike) -> str:
         """Write `history` as CSV (one row per epoch, the union of keys as columns).
@@ -578,26 +520,22 @@ class TrainingMonitor(keras.callbacks.Callback):
         Returns:
             The path written, as a string.
         """
-        path = os.fspath(path)
-        fields: list[str] = []
-        for r in self.history:
-            fields.extend(k for k in r if k not in fields)
-        with open(path, "w", newline="", encoding="utf-8") as f:
-            writer = csv.DictWriter(f, fieldnames=fields, restval="")
-            writer.writeheader()
-            for r in self.history:
-                writer.writerow({k: "" if v is None else v for k, v in r.items()})
-        return path
+        return write_csv(self.history, path)
 
     def plot(self, path: str | os.PathLike, metrics: list[str] | None = None) -> str:
-        """Save a PNG with three panels: loss/metrics, throughput and step time, peak memory.
+        """Save a PNG with one panel per kind of figure, epochs along a shared x axis.
 
-        Uses matplotlib's Agg canvas directly (no pyplot, no display needed).
+        Panels, each drawn only when something in it was recorded: loss, other metrics,
+        throughput, step time (p50 and p90), peak memory, then `grad_norm`, `skipped_steps`
+        and `loss_scale` (log2 axis) each in its own. Every series has its own colour and
+        each legend sits outside its panel, to the right; rates, times and memory start at
+        zero. Uses matplotlib's Agg canvas directly (no pyplot, no display needed): the
+        `plot` extra. Built by `keras_perf.monitor_report.plot_history`.
 
         Args:
             path: PNG file to write (overwritten).
-            metrics: Keras log keys for the first panel, or `None` for every recorded Keras
-                metric (losses on the left axis, other metrics on the right). Defaults to `None`.
+            metrics: Keras log keys for the loss and metric panels (keys holding "loss" go
+                to the first), or `None` for every recorded Keras metric. Defaults to `None`.
 
         Returns:
             The path written, as a string.
@@ -605,89 +543,32 @@ class TrainingMonitor(keras.callbacks.Callback):
         Raises:
             RuntimeError: No epoch has been recorded yet.
         """
-        if not self.history:
-            raise RuntimeError(
-                "TrainingMonitor.plot(): no epoch recorded yet; pass the monitor to "
-                "`model.fit(..., callbacks=[mon])` first."
-            )
-        require("matplotlib", "TrainingMonitor.plot")
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-        from matplotlib.ticker import MaxNLocator
-
-        path = os.fspath(path)
-        h = self.history
-        epochs = [r["epoch"] for r in h]
-        skip = set(MONITOR_KEYS) | {"epoch", "fit", "time", "memory_device"}
-        if metrics is None:
-            metrics = []
-            for r in h:
-                metrics.extend(
-                    k for k, v in r.items() if k not in skip and k not in metrics and _is_number(v)
-                )
-
-        def series(key):
-            return [r.get(key) if _is_number(r.get(key)) else np.nan for r in h]
-
-        fig = Figure(figsize=(7, 9), layout="constrained")
-        FigureCanvasAgg(fig)
-        ax1, ax2, ax3 = fig.subplots(3, 1, sharex=True)
-        losses = [m for m in metrics if "loss" in m]
-        others = [m for m in metrics if "loss" not in m]
-        for m in losses:
-            ax1.plot(epochs, series(m), marker="o", label=m)
-        ax1.set_ylabel("loss")
-        if others:
-            twin = ax1.twinx() if losses else ax1
-            for m in others:
-                twin.plot(epochs, series(m), marker="s", linestyle="--", label=m)
-            twin.set_ylabel("metric")
-            if twin is not ax1:
-                twin.legend(loc="center right", fontsize="small")
-        if losses or others:
-            ax1.legend(loc="upper right", fontsize="small")
-        ax1.set_title("Loss and metrics")
-
-        key = (
-            "examples_per_s"
-            if any(_is_number(r.get("examples_per_s")) for r in h)
-            else "steps_per_s"
-        )
-        ax2.plot(epochs, series(key), marker="o", color="tab:green", label=key)
-        ax2.set_ylabel(key.replace("_per_s", "/s"))
-        if any(_is_number(r.get("step_time_ms_p50")) for r in h):
-            twin = ax2.twinx()
-            twin.plot(
-                epochs,
-                series("step_time_ms_p50"),
-                color="tab:gray",
-                linestyle="--",
-                label="step p50",
-            )
-            twin.plot(
-                epochs,
-                series("step_time_ms_p90"),
-                color="tab:gray",
-                linestyle=":",
-                label="step p90",
-            )
-            twin.set_ylabel("step time (ms)")
-            twin.legend(loc="lower right", fontsize="small")
-        ax2.legend(loc="upper left", fontsize="small")
-        ax2.set_title("Throughput")
-
-        mib = [v / 2**20 if _is_number(v) else np.nan for v in series("peak_memory_bytes")]
-        where = h[-1].get("memory_device") or "memory"
-        ax3.bar(epochs, mib, color="tab:purple")
-        ax3.set_ylabel("peak MiB")
-        ax3.set_xlabel("epoch")
-        ax3.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax3.set_title(f"Peak memory per epoch ({where})")
-        fig.savefig(path, dpi=100)
-        return path
+        return plot_history(self.history, path, metrics)
 
 
 # --------------------------------------------------------------------- helpers
+def append_bytes(path: str, data: bytes) -> None:
+    """Append `data` to the file `path` whole, or not at all.
+
+    Unbuffered writes, looped until every byte is out. If one fails (disk full, I/O error),
+    the file is cut back to its length before the call, so a reader never meets a torn JSON
+    line, and the `OSError` is re-raised. Where the cut itself fails (a device such as
+    `/dev/full`), the error that stopped the write is raised all the same.
+    """
+    with open(path, "ab", buffering=0) as f:
+        start = f.seek(0, os.SEEK_END)
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[f.write(view) :]
+        except OSError:
+            try:
+                f.truncate(start)
+            except OSError:
+                pass
+            raise
+
+
 def _check_path(name: str, value):
     if value is None:
         return None
@@ -754,10 +635,6 @@ def _prepare_dir(name: str, path: str) -> None:
         os.makedirs(path, exist_ok=True)
     except OSError as exc:
         raise _unwritable(name, path, exc) from exc
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _plain(logs: dict) -> dict:

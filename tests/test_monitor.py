@@ -1,8 +1,10 @@
 """TrainingMonitor and its EpochMeter: counts, timing, JSONL, summary, plot, CSV, TensorBoard."""
 
 import errno
+import gc
 import json
 import os
+import sys
 import warnings
 
 import keras
@@ -10,10 +12,25 @@ import numpy as np
 import pytest
 
 import keras_perf as kp
-from keras_perf._tensorboard import read_scalars
+from keras_perf._tensorboard import ScalarWriter
 from keras_perf.monitor import MONITOR_KEYS, EpochMeter
 
 BACKEND = keras.backend.backend()
+
+
+def _read_scalars(folder):
+    """`(step, tag, value)` of every scalar in the event files in `folder`, read by TensorFlow's
+    own reader (`summary_iterator` checks each record's CRC): `simple_value` (tensorboardX)
+    and scalar tensors (`tf.summary.write`) alike."""
+    tf = pytest.importorskip("tensorflow")
+    out = []
+    for path in sorted(folder.glob("events.out.tfevents.*")):
+        for event in tf.compat.v1.train.summary_iterator(str(path)):
+            for v in event.summary.value:
+                kind = v.WhichOneof("value")
+                value = v.simple_value if kind == "simple_value" else tf.make_ndarray(v.tensor)
+                out.append((event.step, v.tag, float(value)))
+    return out
 
 
 def _mlp(spe=1, optimizer="adam"):
@@ -368,10 +385,71 @@ def test_plot_writes_a_png_that_opens(tmp_path):
     path = _monitor_with_made_up_history().plot(tmp_path / "run.png")
     with Image.open(path) as img:
         assert img.format == "PNG"
-        assert img.size == (700, 900)
+        assert img.size == (800, 1060)  # 5 panels: loss, metrics, throughput, step, memory
         pixels = np.asarray(img.convert("L"))
     assert (tmp_path / "run.png").stat().st_size > 20_000
     assert pixels.std() > 10  # not a blank canvas
+
+
+def _panels(fig):
+    fig.canvas.draw()
+    out = {}
+    for ax in fig.axes:
+        lines = {ln.get_label(): ln for ln in ax.get_lines()}
+        out[ax.get_title(loc="left")] = (ax, lines)
+    return out
+
+
+def test_plot_panels_colours_legends_and_axes():
+    pytest.importorskip("matplotlib")
+    from matplotlib.colors import to_hex
+
+    from keras_perf.monitor_report import history_figure
+
+    mon = _monitor_with_made_up_history()
+    for r, (norm, skipped, scale) in zip(
+        mon.history, [(2.0, 0, 2.0**15), (1.0, 3, 2.0**14), (0.5, 0, 2.0**15)]
+    ):
+        r.update(grad_norm=norm, skipped_steps=skipped, loss_scale=scale)
+    fig = history_figure(mon.history)
+    panels = _panels(fig)
+    assert list(panels) == [
+        "Loss",
+        "Metrics",
+        "Throughput",
+        "Step time",
+        "Peak memory (host)",
+        "Gradient norm",
+        "Skipped steps (non-finite gradients)",
+        "Loss scale",
+    ]
+    assert len(fig.axes) == 8  # no twin axes: one y scale per panel
+    assert set(panels["Loss"][1]) == {"loss", "val_loss"}
+    assert set(panels["Metrics"][1]) == {"accuracy"}  # health keys are not metrics
+    assert set(panels["Step time"][1]) == {"p50", "p90"}
+    colours = [to_hex(ln.get_color()) for _, lines in panels.values() for ln in lines.values()]
+    assert len(colours) == 10 and len(set(colours)) == 10  # one colour per series
+    # Memory is a line in MiB (no bars), from zero; so are throughput and step time.
+    ax, lines = panels["Peak memory (host)"]
+    assert not ax.patches and list(lines["peak memory"].get_ydata()) == pytest.approx(
+        [3e8 / 2**20, 5e8 / 2**20, 4e8 / 2**20]
+    )
+    for title in (
+        "Throughput",
+        "Step time",
+        "Peak memory (host)",
+        "Skipped steps (non-finite gradients)",
+    ):
+        assert panels[title][0].get_ylim()[0] == 0
+    assert panels["Loss scale"][0].get_yscale() == "log"
+    # Every legend lies right of its panel's plotting area: it covers no line.
+    renderer = fig.canvas.get_renderer()
+    for ax, _ in panels.values():
+        legend = ax.get_legend().get_window_extent(renderer)
+        assert legend.x0 >= ax.get_window_extent(renderer).x1
+    assert [int(t) for t in panels["Loss scale"][0].get_xticks() if t == int(t)] == panels[
+        "Loss scale"
+    ][0].get_xticks().tolist()
 
 
 def test_plot_without_history_raises(tmp_path):
@@ -404,25 +482,74 @@ def test_mfu_loss_scale_and_tensorboard(tmp_path, digits):
         assert r["loss_scale"] > 0
     events = list((tmp_path / "tb").glob("events.out.tfevents.*"))
     assert len(events) == 1
-    scalars = read_scalars(events[0])
+    scalars = _read_scalars(tmp_path / "tb")
     eps = [(step, v) for step, tag, v in scalars if tag == "keras_perf/examples_per_s"]
     assert [s for s, _ in eps] == [1, 2]
     assert eps[1][1] == pytest.approx(mon.history[1]["examples_per_s"], rel=1e-6)
 
 
-@pytest.mark.backends("tensorflow")
-def test_tensorboard_file_reads_back_with_tensorflow(tmp_path):
-    import tensorflow as tf
-    from tensorflow.core.util import event_pb2
+def _block_tensorflow(monkeypatch):
+    gc.collect()  # TF objects freed while TF is blocked would fail to import their cleanup
+    monkeypatch.setitem(sys.modules, "tensorflow", None)  # `import tensorflow` now fails
 
-    from keras_perf._tensorboard import ScalarWriter
 
-    writer = ScalarWriter(tmp_path)
-    writer.write(3, {"a/b": 1.5, "skipped": float("nan"), "n": 7})
-    events = [event_pb2.Event.FromString(r.numpy()) for r in tf.data.TFRecordDataset(writer.path)]
-    assert events[0].file_version == "brain.Event:2"
-    assert events[1].step == 3
-    assert {v.tag: v.simple_value for v in events[1].summary.value} == {"a/b": 1.5, "n": 7.0}
+@pytest.mark.parametrize("library", ["tensorflow", "tensorboardX"])
+def test_scalar_writer_files_read_back_with_a_library_reader(library, tmp_path, monkeypatch):
+    with monkeypatch.context() as m:
+        if library == "tensorboardX":
+            _block_tensorflow(m)
+        writer = ScalarWriter(tmp_path / "a" / "b")
+        writer.scalar("a/b", 1.5, step=3)
+        writer.scalar("n", np.float32(7), step=3)
+        writer.scalar("a/b", -2.25, step=4)
+        writer.close()
+        assert writer.library == library
+    (path,) = (tmp_path / "a" / "b").glob("events.out.tfevents.*")
+    assert _read_scalars(tmp_path / "a" / "b") == [
+        (3, "a/b", 1.5),
+        (3, "n", 7.0),
+        (4, "a/b", -2.25),
+    ]
+
+
+@pytest.mark.parametrize("library", ["tensorflow", "tensorboardX"])
+def test_scalar_writer_raises_oserror_where_it_cannot_write(library, tmp_path, monkeypatch):
+    # TensorFlow raises tf.errors.FailedPreconditionError (not an OSError): the shim turns
+    # every writer error into OSError, the one type the monitor catches.
+    (tmp_path / "a_file").write_text("")
+    if library == "tensorboardX":
+        _block_tensorflow(monkeypatch)
+    with pytest.raises(OSError, match="a_file"):
+        ScalarWriter(tmp_path / "a_file" / "tb").scalar("x", 1.0, step=1)
+
+
+def test_neither_writer_installed_names_the_tensorboard_extra(tmp_path, monkeypatch):
+    mon = kp.TrainingMonitor(log_dir=tmp_path / "tb")  # construction touches nothing
+    mon.set_model(_mlp())
+    _block_tensorflow(monkeypatch)
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)
+    with pytest.raises(ImportError, match=r"TrainingMonitor\(log_dir=...\).*\[tensorboard\]"):
+        mon.on_train_begin()  # the first thing `fit` calls: no step taken
+    with pytest.raises(ImportError, match=r"PruningCallback\(log_dir=...\).*\[tensorboard\]"):
+        kp.PruningCallback(kp.ConstantSparsity(0.5), log_dir=str(tmp_path))
+    assert not (tmp_path / "tb").exists()
+
+
+@pytest.mark.backends("jax", "torch")
+def test_monitor_writes_tensorboard_files_through_tensorboardx_without_tensorflow(
+    tmp_path, digits, monkeypatch
+):
+    # `pip install keras-perf[jax,tensorboard]`: no TensorFlow anywhere.
+    (x, y), _ = digits
+    with monkeypatch.context() as m:
+        _block_tensorflow(m)
+        mon = kp.TrainingMonitor(log_dir=tmp_path / "tb")
+        _fit_with(mon, x, y, epochs=2)
+        assert mon._writer.library == "tensorboardX"
+    losses = [
+        (step, v) for step, tag, v in _read_scalars(tmp_path / "tb") if tag == "keras_perf/loss"
+    ]
+    assert losses == [(r["epoch"], pytest.approx(r["loss"], rel=1e-6)) for r in mon.history]
 
 
 def test_hooks_warn_when_examples_cannot_be_counted(capsys):
@@ -517,7 +644,8 @@ def test_missing_log_folders_are_created_when_training_begins(tmp_path):
     mon.on_train_begin()
     assert path.is_file() and path.read_text() == ""
     events = list(tb.glob("events.out.tfevents.*"))
-    assert len(events) == 1 and read_scalars(events[0]) == []  # the header event only
+    assert len(events) == 1 and _read_scalars(tb) == []  # the header event only
+    mon.on_train_end()
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
@@ -553,11 +681,18 @@ def test_injected_write_errors_skip_one_epoch_and_leave_readable_files(
     tmp_path, digits, monkeypatch
 ):
     (x, y), _ = digits
-    from keras_perf import _tensorboard, monitor
+    from keras_perf import monitor
 
-    # JSONL: the 2nd append fails; TensorBoard: the 3rd (1st is the file's header).
-    monkeypatch.setattr(monitor, "append_bytes", _fail_on_call(2, _tensorboard.append_bytes))
-    monkeypatch.setattr(_tensorboard, "append_bytes", _fail_on_call(3, _tensorboard.append_bytes))
+    # JSONL: the 2nd append fails; TensorBoard: every scalar of epoch 2.
+    monkeypatch.setattr(monitor, "append_bytes", _fail_on_call(2, monitor.append_bytes))
+    real_scalar = ScalarWriter.scalar
+
+    def scalar(self, tag, value, step):
+        if step == 2:
+            raise OSError(errno.EIO, "injected I/O error")
+        real_scalar(self, tag, value, step)
+
+    monkeypatch.setattr(ScalarWriter, "scalar", scalar)
     path, tb = tmp_path / "run.jsonl", tmp_path / "tb"
     mon = kp.TrainingMonitor(log_path=path, log_dir=tb)
     with pytest.warns(kp.KerasPerfWarning, match="could not write epoch 2") as record:
@@ -566,8 +701,7 @@ def test_injected_write_errors_skip_one_epoch_and_leave_readable_files(
     assert len(ours) == 2  # one per argument
     assert len(history.history["loss"]) == 4
     assert [json.loads(line)["epoch"] for line in path.read_text().splitlines()] == [1, 3, 4]
-    (events,) = tb.glob("events.out.tfevents.*")
-    steps = sorted({step for step, tag, _ in read_scalars(events) if tag == "keras_perf/loss"})
+    steps = sorted({step for step, tag, _ in _read_scalars(tb) if tag == "keras_perf/loss"})
     assert steps == [1, 3, 4]
     errors = [r.get("log_error") for r in mon.history]
     assert errors[0] is None and errors[2:] == [None, None]
@@ -590,7 +724,7 @@ def test_append_bytes_cuts_a_torn_record_back(tmp_path, monkeypatch):
     # cut back to its previous length, so the next record starts on a clean line.
     import io
 
-    from keras_perf._tensorboard import append_bytes
+    from keras_perf.monitor import append_bytes
 
     path = str(tmp_path / "f")
     append_bytes(path, b"first\n")

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import weakref
 
 import keras
 from keras import ops
 
 from keras_perf import backend as _backend
+from keras_perf._tensorboard import ScalarWriter, require_writer
 from keras_perf._utils import check_choice, check_int, warn
 from keras_perf.pruning._constraint import (
     _apply_masks,
@@ -89,10 +89,10 @@ class PruningCallback(keras.callbacks.Callback):
         verbose: 1 prints a line at each mask update. Defaults to `0`.
         log_dir: Directory for TensorBoard scalars `pruning/sparsity`,
             `pruning/target_sparsity` and `pruning/<weight path>` at each mask update
-            (needs TensorFlow installed). Defaults to `None`.
+            (TensorFlow, else tensorboardX: the `tensorboard` extra). Defaults to `None`.
 
     Raises:
-        ImportError: `log_dir` given but TensorBoard is not installed.
+        ImportError: `log_dir` given but neither TensorFlow nor tensorboardX is installed.
         ValueError: bad `scope`, `m_by_n`, `verbose`; at the start of `fit`: a model without
             prunable weights, an `include` or `exclude` item that matches none (the message
             lists them), a model without an optimizer, or a second PruningCallback on the same
@@ -135,15 +135,8 @@ class PruningCallback(keras.callbacks.Callback):
         self.verbose = check_int("verbose", verbose, minimum=0)
         if log_dir is not None and not isinstance(log_dir, str):
             raise TypeError(f"`log_dir` must be None or a directory path; got {log_dir!r}.")
-        if log_dir is not None and (
-            importlib.util.find_spec("tensorboard") is None
-            or importlib.util.find_spec("tensorflow") is None
-        ):
-            raise ImportError(
-                "`log_dir` writes TensorBoard scalars and needs the `tensorflow` and "
-                "`tensorboard` packages: `pip install tensorboard`, or leave `log_dir=None` "
-                "and read `sparsity` from the epoch logs."
-            )
+        if log_dir is not None:
+            require_writer("PruningCallback(log_dir=...)")  # TensorFlow, else tensorboardX
         self.log_dir = log_dir
         # Only on_train_batch_begin is overridden, which Keras always calls in line; the batch
         # end hooks stay asynchronous.
@@ -391,13 +384,10 @@ class PruningCallback(keras.callbacks.Callback):
             self._write_summaries(step, target_sparsity, per)
 
     def _write_summaries(self, step, target_sparsity, per) -> None:
-        import tensorflow as tf  # only when `log_dir` is set; TensorBoard files need TF.
-
         if self._writer is None:
-            self._writer = tf.summary.create_file_writer(self.log_dir)
-        with self._writer.as_default(step=step):
-            tf.summary.scalar("pruning/sparsity", self.sparsity)
-            tf.summary.scalar("pruning/target_sparsity", target_sparsity)
-            for path, value in per.items():
-                tf.summary.scalar(f"pruning/{path}", value)
+            self._writer = ScalarWriter(self.log_dir)  # keras_perf/_tensorboard.py
+        self._writer.scalar("pruning/sparsity", self.sparsity, step)
+        self._writer.scalar("pruning/target_sparsity", target_sparsity, step)
+        for path, value in per.items():
+            self._writer.scalar(f"pruning/{path}", value, step)
         self._writer.flush()

@@ -166,6 +166,43 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _nearest_existing(path):
+    """The path itself if it exists, else its closest existing parent."""
+    import os
+
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return path
+
+
+def _writable_dir(text: str) -> str:
+    """An output folder that exists and is writable, or can be created (checked, not made)."""
+    import os
+
+    found = _nearest_existing(text)
+    if found == os.path.abspath(text) and not os.path.isdir(found):
+        raise argparse.ArgumentTypeError(f"{text!r} is a file, not a folder")
+    if not os.path.isdir(found):
+        raise argparse.ArgumentTypeError(f"{text!r} cannot be created: {found!r} is a file")
+    if not os.access(found, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text!r}: {found!r} is not writable")
+    return text
+
+
+def _writable_file(text: str) -> str:
+    """An output file whose folder exists (or can be created) and is writable."""
+    import os
+
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} is a folder, not a file")
+    _writable_dir(os.path.dirname(os.path.abspath(text)))
+    return text
+
+
 def _with_backend(args: argparse.Namespace, argv: list[str]) -> int | None:
     """Re-run this command under `--backend` when it differs from the current one.
 
@@ -222,7 +259,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "demo", parents=[common], help="the whole pipeline on bundled real data, report and plots"
     )
-    p.add_argument("--out", default="keras-perf-demo", help="output folder (default: %(default)s)")
+    p.add_argument(
+        "--out",
+        type=_writable_dir,
+        default="keras-perf-demo",
+        help="output folder (default: %(default)s)",
+    )
     p.add_argument(
         "--epochs",
         type=_positive_int,
@@ -248,7 +290,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--only", default=None, help="comma-separated substrings of script names")
     p.add_argument("--dir", default=None, help="benchmarks folder (default: ./benchmarks)")
     p.add_argument(
-        "--markdown", default=None, metavar="PATH", help="also write the table as Markdown to PATH"
+        "--markdown",
+        type=_writable_file,
+        default=None,
+        metavar="PATH",
+        help="also write the table as Markdown to PATH",
     )
     p.set_defaults(func=bench)
     return parser

@@ -408,3 +408,24 @@ def test_bench_quick_kills_a_script_that_hangs(tmp_path):
     assert "timed out after 5 s" in results[1]["error"]
     assert "timed out" in results[2]["error"]  # never started
     assert done == results and [p.name for p in started] == ["bench_a.py", "bench_b.py"]
+
+
+@pytest.mark.parametrize("case", ["file", "under_a_file", "unwritable"])
+def test_bad_output_locations_are_argument_errors_before_anything_runs(tmp_path, capsys, case):
+    # Regression: `demo --out FILE` trained nothing but failed deep in `mkdir` with a traceback.
+    a_file = tmp_path / "report.txt"
+    a_file.write_text("x")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    out = {"file": a_file, "under_a_file": a_file / "sub", "unwritable": locked / "new"}[case]
+    if case == "unwritable" and os.access(locked, os.W_OK):
+        pytest.skip("running as a user who can write anywhere")
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["demo", "--out", str(out)])
+    assert exc.value.code == 2
+    assert "--out" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--markdown", str(out if case != "file" else tmp_path)])
+    assert exc.value.code == 2
+    assert "--markdown" in capsys.readouterr().err

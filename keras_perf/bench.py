@@ -7,6 +7,9 @@ with the target beside each figure. `--quick` (a smoke run: fewer repeats and st
 scripts one after another in a single process instead, which saves one backend import per
 script (about 8 s each for TensorFlow on 2 cores). The scripts live in the source tree, not in the installed
 package: run from a checkout, or point `--dir` at a `benchmarks/` folder.
+
+`--gpu` runs `benchmarks/gpu_check.py` instead (the GPU claims, on JAX and torch; `--dry-run`
+runs it on the CPU with tiny sizes). See docs/gpu.md.
 """
 
 from __future__ import annotations
@@ -25,10 +28,14 @@ from pathlib import Path
 
 def find_benchmarks(directory: str | None = None) -> Path:
     """The benchmarks folder: `directory`, else `./benchmarks`, else the checkout's own."""
-    candidates = [Path(directory)] if directory else [
-        Path.cwd() / "benchmarks",
-        Path(__file__).resolve().parent.parent / "benchmarks",
-    ]
+    candidates = (
+        [Path(directory)]
+        if directory
+        else [
+            Path.cwd() / "benchmarks",
+            Path(__file__).resolve().parent.parent / "benchmarks",
+        ]
+    )
     for c in candidates:
         if c.is_dir() and any(c.glob("bench_*.py")):
             return c
@@ -57,8 +64,13 @@ def run_script(script: Path, backend: str, quick: bool, timeout: float) -> dict:
             tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
             return _failed(script, backend, t0, f"exit {proc.returncode}: " + " | ".join(tail))
         rows = json.loads(out.read_text())["rows"]
-    return {"script": script.name, "backend": backend, "rows": rows,
-            "seconds": time.perf_counter() - t0, "error": None}
+    return {
+        "script": script.name,
+        "backend": backend,
+        "rows": rows,
+        "seconds": time.perf_counter() - t0,
+        "error": None,
+    }
 
 
 # Runs in the child process of a quick run: every script in turn, in this one interpreter.
@@ -83,8 +95,11 @@ for job in jobs:
 
 
 def run_in_one_process(
-    scripts: list[Path], backend: str, timeout: float,
-    on_start: Callable[[Path], None], on_done: Callable[[dict], None],
+    scripts: list[Path],
+    backend: str,
+    timeout: float,
+    on_start: Callable[[Path], None],
+    on_done: Callable[[dict], None],
 ) -> list[dict]:
     """Run `scripts` with `--quick` one after another in one child process (see `_DRIVER`).
 
@@ -102,8 +117,9 @@ def run_in_one_process(
         t0 = time.perf_counter()
         current = None
         tail: list[str] = []
-        with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) as proc:
+        with subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        ) as proc:
             # A watchdog, not a check per line: a script that hangs prints nothing.
             watchdog = threading.Timer(timeout, proc.kill)
             watchdog.start()
@@ -123,8 +139,15 @@ def run_in_one_process(
                             error = f"no rows written ({e})"
                     if error:
                         error += "".join(f" | {t}" for t in tail[-3:])
-                    results.append({"script": current.name, "backend": backend, "rows": rows,
-                                    "seconds": done["seconds"], "error": error})
+                    results.append(
+                        {
+                            "script": current.name,
+                            "backend": backend,
+                            "rows": rows,
+                            "seconds": done["seconds"],
+                            "error": error,
+                        }
+                    )
                     on_done(results[-1])
                     current = None
                 else:
@@ -132,18 +155,25 @@ def run_in_one_process(
             proc.wait()
             timed_out = not watchdog.is_alive() and time.perf_counter() - t0 >= timeout
             watchdog.cancel()
-        for s in scripts[len(results):]:
-            why = (f"timed out after {timeout:.0f} s" if timed_out
-                   else f"the benchmark process exited ({proc.returncode}): "
-                   + " | ".join(tail[-3:]))
+        for s in scripts[len(results) :]:
+            why = (
+                f"timed out after {timeout:.0f} s"
+                if timed_out
+                else f"the benchmark process exited ({proc.returncode}): " + " | ".join(tail[-3:])
+            )
             results.append(_failed(s, backend, time.perf_counter(), why))
             on_done(results[-1])
     return results
 
 
 def _failed(script, backend, t0, error):
-    return {"script": script.name, "backend": backend, "rows": [],
-            "seconds": time.perf_counter() - t0, "error": error}
+    return {
+        "script": script.name,
+        "backend": backend,
+        "rows": [],
+        "seconds": time.perf_counter() - t0,
+        "error": error,
+    }
 
 
 def _fmt(v) -> str:
@@ -165,10 +195,22 @@ def table(results: list[dict], markdown: bool = False) -> str:
     body = []
     for res in results:
         if res["error"]:
-            body.append([res["script"], res["backend"], "FAILED", "", "", "", "", res["error"][:200]])
+            body.append(
+                [res["script"], res["backend"], "FAILED", "", "", "", "", res["error"][:200]]
+            )
         for r in res["rows"]:
-            body.append([r["claim"], r["backend"], _fmt(r["wall_ratio"]), _fmt(r.get("cpu_ratio")),
-                         r["target"], _spread(r), _fmt(r.get("repeats")), r.get("note", "")])
+            body.append(
+                [
+                    r["claim"],
+                    r["backend"],
+                    _fmt(r["wall_ratio"]),
+                    _fmt(r.get("cpu_ratio")),
+                    r["target"],
+                    _spread(r),
+                    _fmt(r.get("repeats")),
+                    r.get("note", ""),
+                ]
+            )
     if markdown:
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         lines += ["| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in body]
@@ -183,18 +225,54 @@ def table(results: list[dict], markdown: bool = False) -> str:
 def machine() -> str:
     import keras
 
-    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
-            f"{platform.platform(terse=True)}, Python {platform.python_version()}, "
-            f"Keras {keras.__version__}")
+    return (
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, "
+        f"{platform.platform(terse=True)}, Python {platform.python_version()}, "
+        f"Keras {keras.__version__}"
+    )
+
+
+def gpu_command(args, folder: Path) -> list[str]:
+    """The command line of `keras-perf bench --gpu`: benchmarks/gpu_check.py and its flags."""
+    cmd = [sys.executable, str(folder / "gpu_check.py")]
+    cmd += ["--dry-run"] if args.dry_run else []
+    cmd += ["--backends", args.backends or "jax,torch"]
+    for flag in ("json", "markdown"):
+        if getattr(args, flag):
+            cmd += [f"--{flag}", getattr(args, flag)]
+    return cmd
+
+
+def run_gpu_check(args, folder: Path) -> int:
+    """`keras-perf bench --gpu`: run benchmarks/gpu_check.py (it starts its own processes, one
+    backend at a time, and prints one table); returns its exit code."""
+    if args.quick or args.only:
+        print(
+            "keras-perf bench: --quick and --only do not apply to --gpu (use --dry-run for "
+            "a smoke run; `python benchmarks/gpu_check.py --sections 1,3` runs some "
+            "sections)",
+            file=sys.stderr,
+        )
+        return 2
+    if not (folder / "gpu_check.py").is_file():
+        print(f"keras-perf bench: no gpu_check.py in {folder}", file=sys.stderr)
+        return 2
+    return subprocess.call(gpu_command(args, folder))
 
 
 def main(args) -> int:
     """Entry point for `keras-perf bench` (args from the CLI parser)."""
+    gpu = getattr(args, "gpu", False)
+    if not gpu and (getattr(args, "dry_run", False) or getattr(args, "json", None)):
+        print("keras-perf bench: --dry-run and --json go with --gpu", file=sys.stderr)
+        return 2
     try:
         folder = find_benchmarks(args.dir)
     except FileNotFoundError as e:
         print(f"keras-perf bench: {e}", file=sys.stderr)
         return 2
+    if gpu:
+        return run_gpu_check(args, folder)
     scripts = sorted(folder.glob("bench_*.py"))
     if args.only:
         scripts = [s for s in scripts if any(o in s.name for o in args.only.split(","))]
@@ -204,8 +282,11 @@ def main(args) -> int:
     backends = args.backends.split(",") if args.backends else [_current_backend()]
     unknown = [b for b in backends if b not in ("tensorflow", "jax", "torch")]
     if unknown:
-        print(f"keras-perf bench: unknown backend(s) {unknown} in --backends; "
-              "use tensorflow, jax and/or torch", file=sys.stderr)
+        print(
+            f"keras-perf bench: unknown backend(s) {unknown} in --backends; "
+            "use tensorflow, jax and/or torch",
+            file=sys.stderr,
+        )
         return 2
     results = []
     t0 = time.perf_counter()
@@ -214,8 +295,11 @@ def main(args) -> int:
         print(f"running {script.name} ({backend}{', quick' if args.quick else ''}) ...", flush=True)
 
     def report(res: dict) -> None:
-        print(f"  {len(res['rows'])} rows in {res['seconds']:.0f} s"
-              + (f"; FAILED: {res['error']}" if res["error"] else ""), flush=True)
+        print(
+            f"  {len(res['rows'])} rows in {res['seconds']:.0f} s"
+            + (f"; FAILED: {res['error']}" if res["error"] else ""),
+            flush=True,
+        )
         results.append(res)
 
     for backend in backends:
@@ -230,8 +314,11 @@ def main(args) -> int:
     print(table(results))
     print(f"\n{machine()}; {total:.0f} s in all")
     if args.markdown:
-        cmd = "keras-perf bench" + (" --quick" if args.quick else "") + (
-            f" --backends {args.backends}" if args.backends else "")
+        cmd = (
+            "keras-perf bench"
+            + (" --quick" if args.quick else "")
+            + (f" --backends {args.backends}" if args.backends else "")
+        )
         Path(args.markdown).write_text(
             f"Command: `{cmd}`\n\nMachine: {machine()}\n\n{table(results, markdown=True)}\n"
         )

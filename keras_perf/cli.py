@@ -296,6 +296,17 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="also write the table as Markdown to PATH",
     )
+    p.add_argument(
+        "--gpu",
+        action="store_true",
+        help="the GPU check instead (benchmarks/gpu_check.py, JAX and torch; see docs/gpu.md)",
+    )
+    p.add_argument(
+        "--dry-run", action="store_true", help="with --gpu: the whole check on the CPU, tiny sizes"
+    )
+    p.add_argument(
+        "--json", default=None, metavar="PATH", help="with --gpu: write every row as JSON"
+    )
     p.set_defaults(func=bench)
     return parser
 

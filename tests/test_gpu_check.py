@@ -1,0 +1,249 @@
+"""benchmarks/gpu_check.py: the GPU check runs end to end on the CPU (`--dry-run`).
+
+No GPU is needed: the dry run takes the same code path with tiny models and an injected OOM.
+It runs in a child process in which TensorFlow, tf_keras, tfmot, scikit-learn and matplotlib
+cannot be imported (the GPU image has none of them), through a `sitecustomize` module that
+blocks them in the child and in every process it starts. The GPU kit is JAX/torch only: on
+the TensorFlow backend the end-to-end test is skipped.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import keras
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+BACKEND = keras.backend.backend()
+BLOCKED = ["tensorflow", "tf_keras", "tensorflow_model_optimization", "sklearn", "matplotlib"]
+HEAVY = ("keras", "tensorflow", "jax", "torch")
+
+_spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+gpu_check = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(gpu_check)
+
+
+def _env(tmp_path, **extra):
+    """This checkout on the path; `sitecustomize` blocking `BLOCKED` in every child process."""
+    (tmp_path / "sitecustomize.py").write_text(
+        textwrap.dedent(
+            """
+            import os, sys
+            for name in os.environ.get("KP_TEST_BLOCK", "").split(","):
+                if name:
+                    sys.modules[name] = None  # `import name` raises ModuleNotFoundError
+            """
+        )
+    )
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", KP_TEST_BLOCK=",".join(BLOCKED), **extra)
+    parts = (str(tmp_path), str(ROOT), env.get("PYTHONPATH"))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in parts if p)
+    return env
+
+
+@pytest.mark.slow
+@pytest.mark.backends("jax", "torch")
+def test_dry_run_gives_every_row_without_tensorflow(tmp_path):
+    out, md = tmp_path / "out.json", tmp_path / "table.md"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--dry-run",
+            "--backends",
+            BACKEND,
+            "--json",
+            str(out),
+            "--markdown",
+            str(md),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=_env(tmp_path),
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert [r["id"] for r in rows] == gpu_check.expected_ids()
+    assert len(rows) == 16
+    assert [r["error"] for r in rows] == [None] * 16
+    assert all(r["dry_run"] and r["backend"] == BACKEND for r in rows)
+    # Nothing optional was imported in any worker process (the blocker held, and nothing
+    # needed TensorFlow: keras itself imports sklearn and matplotlib where installed).
+    assert result["imported_optional"] == {BACKEND: []}
+    assert result["devices"][BACKEND]["device"] == "CPU"
+    # One table, one line per row, each marked as a dry run.
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("| ")]
+    assert len(lines) == 1 + 16 and lines[0].startswith("| section | backend | case |")
+    assert all("dry-run" in ln and "ERROR" not in ln for ln in lines[1:])
+    assert [ln for ln in md.read_text().splitlines() if ln.startswith("| ")] == lines
+    by_id = {r["id"]: r for r in rows}
+    # 1: MFU from the monitor beside the hand count; speed-up against float32.
+    for model in ("mlp", "convnet"):
+        for policy in gpu_check.POLICIES:
+            r = by_id[f"1/{model}/{policy}"]
+            assert r["examples_per_s"] > 0 and 0 < r["mfu_monitor"] < 1
+            assert r["mfu_hand"] == pytest.approx(
+                r["flops_hand"] * r["examples_per_s"] / r["peak_flops"]
+            )
+            assert (r["ratio"] is None) == (policy == "float32")
+    # MLP: the monitor's estimate (3 x forward, weights only) vs 6 x params (biases too).
+    mlp = by_id["1/mlp/float32"]
+    assert mlp["flops_hand"] == 6 * (32 * 64 + 64 + 64 * 64 + 64 + 64 * 10 + 10)
+    assert mlp["flops_monitor"] == 6 * (32 * 64 + 64 * 64 + 64 * 10)
+    assert by_id["1/convnet/float32"]["flops_monitor"] == by_id["1/convnet/float32"]["flops_hand"]
+    # 2: every micro-batch setting at the same batch, with a peak and a step-time ratio.
+    for k in gpu_check.MICROBATCHES:
+        r = by_id[f"2/microbatches={k}"]
+        assert r["batch"] == 8 and r["peak_memory_bytes"] > 0 and r["step_ms"] > 0
+        assert (r["ratio"] is None) == (k == 1)
+    # 3: two injected OOMs (32 -> 16 -> 8 examples per slice), the same weights as 4
+    # micro-batches from the start, and the probe's answer.
+    oom = by_id["3/oom_retry"]
+    assert [e["microbatches"] for e in oom["oom_events"]] == [1, 2]
+    assert oom["final_microbatches"] == 4 and oom["max_weight_diff"] <= 1e-5
+    assert by_id["3/find_max_microbatch"]["max_microbatch"] == 8
+    # 4: per-step cost against its baseline.
+    for row_id in ("4/distillation/DistillationModel", "4/pruning/PruningCallback"):
+        assert by_id[row_id]["ratio"] > 0 and by_id[row_id]["ratio_of"] == "step_ms"
+
+
+@pytest.mark.parametrize("cmd", [[str(SCRIPT)], ["-m", "keras_perf", "bench", "--gpu"]])
+def test_without_a_gpu_it_stops_at_once_and_says_why(tmp_path, cmd):
+    proc = subprocess.run(
+        [sys.executable, "-X", "importtime", *cmd],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_env(tmp_path, CUDA_VISIBLE_DEVICES=""),
+        cwd=ROOT,
+    )
+    assert proc.returncode == 2
+    assert "no NVIDIA GPU on this machine" in proc.stderr and "--dry-run" in proc.stderr
+    imported = {
+        ln.rsplit("|", 1)[-1].strip().split(".")[0]
+        for ln in proc.stderr.splitlines()
+        if ln.startswith("import time:")
+    }
+    assert not imported & set(HEAVY), sorted(imported & set(HEAVY))
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["bench", "--dry-run"], "--dry-run and --json go with --gpu"),
+        (["bench", "--gpu", "--quick"], "--quick and --only do not apply to --gpu"),
+    ],
+)
+def test_cli_refuses_flags_that_do_not_go_together(capsys, argv, message):
+    from keras_perf import cli
+
+    assert cli.main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_builds_the_gpu_check_command():
+    from keras_perf import bench, cli
+
+    args = cli.build_parser().parse_args(["bench", "--gpu", "--dry-run", "--json", "o.json"])
+    cmd = bench.gpu_command(args, ROOT / "benchmarks")
+    assert cmd[1:] == [str(SCRIPT), "--dry-run", "--backends", "jax,torch", "--json", "o.json"]
+
+
+def test_script_refuses_tensorflow_and_unknown_sections():
+    with pytest.raises(SystemExit, match="jax and/or torch"):
+        gpu_check._parse_backends("tensorflow")
+    with pytest.raises(SystemExit):
+        gpu_check.build_parser().parse_args(["--sections", "5"])
+
+
+def test_a_process_that_dies_leaves_an_error_in_each_of_its_rows():
+    # An unknown backend makes the child fail at `import keras`: both rows of section 3 are
+    # there, each saying so; the JSON the orchestrator keeps has no hole.
+    res = gpu_check.run_child("no_such_backend", True, [3], timeout=120)
+    assert [r["id"] for r in res["rows"]] == ["3/oom_retry", "3/find_max_microbatch"]
+    assert all("no_such_backend process exited" in r["error"] for r in res["rows"])
+
+
+@pytest.mark.backends("jax", "torch")
+def test_a_failing_section_is_reported_in_its_rows_and_the_next_runs(tmp_path, monkeypatch):
+    def broken(ctx, rows):
+        rows.append(gpu_check._row(ctx, "3/oom_retry", "half done", note="ok"))
+        raise RuntimeError("section 3 broke")
+
+    calls = []
+    monkeypatch.setitem(gpu_check.SECTION_RUNNERS, 3, broken)
+    monkeypatch.setitem(gpu_check.SECTION_RUNNERS, 4, lambda ctx, rows: calls.append(4))
+    out = tmp_path / "w.json"
+    args = SimpleNamespace(
+        json=str(out), sections="3,4", microbatches="1", dry_run=True, batch=None
+    )
+    assert gpu_check.worker(args) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["id"], r["error"]) for r in rows] == [
+        ("3/oom_retry", None),
+        ("3/find_max_microbatch", "RuntimeError: section 3 broke"),
+    ]
+    assert calls == [4]
+
+
+def test_ratios_and_table():
+    rows = [
+        {
+            "id": "1/mlp/float32",
+            "section": 1,
+            "backend": "jax",
+            "case": "a",
+            "examples_per_s": 100.0,
+            "error": None,
+        },
+        {
+            "id": "1/mlp/mixed_bfloat16",
+            "section": 1,
+            "backend": "jax",
+            "case": "b",
+            "examples_per_s": 250.0,
+            "mfu_monitor": 0.4,
+            "error": None,
+        },
+        {
+            "id": "2/microbatches=1",
+            "section": 2,
+            "backend": "torch",
+            "case": "c",
+            "step_ms": 10.0,
+            "error": None,
+        },
+        {
+            "id": "2/microbatches=8",
+            "section": 2,
+            "backend": "torch",
+            "case": "d",
+            "step_ms": 13.0,
+            "peak_memory_bytes": 3 * 2**30,
+            "error": None,
+        },
+        {
+            "id": "2/microbatches=2",
+            "section": 2,
+            "backend": "jax",
+            "case": "e",
+            "step_ms": 13.0,
+            "error": "out of memory",
+        },
+    ]
+    gpu_check.add_ratios(rows)
+    assert [r["ratio"] for r in rows] == [None, 2.5, None, 1.3, None]  # jax has no mb=1 row
+    text = gpu_check.table(rows).splitlines()
+    assert "| 2.50x speed |" in text[3] and "| 40.0% |" in text[3]
+    assert "| 1.30x time | 3.00 GiB |" in text[5]
+    assert text[6].endswith("| ERROR: out of memory |")

@@ -384,6 +384,10 @@ class DistillationModel(LossScaleTrainStep, keras.Model):
         (64, 3)
     """
 
+    # Every term of `compute_loss` is a mean over the examples (checked per fit in
+    # `_kp_check_microbatching`): micro-batch slices combine by their share of the batch.
+    compute_loss_reduction = "sum_over_batch_size"
+
     def __init__(
         self,
         student: keras.Model,
@@ -526,7 +530,23 @@ class DistillationModel(LossScaleTrainStep, keras.Model):
                 f"student_outputs); got {type(distillation_loss).__name__}."
             )
         self._distillation_loss_config = distillation_loss
+        self._label_loss_reduction = getattr(student_loss, "reduction", "sum_over_batch_size")
         super().compile(optimizer, loss=student_loss, metrics=metrics, **kwargs)
+
+    def _kp_check_microbatching(self, data):
+        # Each term of the loss is a mean over the batch's examples, so the train step can
+        # weight each micro-batch slice by its share of the batch (`compute_loss_reduction`).
+        # A label loss of another reduction is not such a mean: refuse it, never train on a
+        # different update.
+        super()._kp_check_microbatching(data)
+        reduction = getattr(self, "_label_loss_reduction", "sum_over_batch_size")
+        if reduction not in ("sum_over_batch_size", "mean"):
+            raise ValueError(
+                f"microbatches={self.microbatches}: the student's label loss has "
+                f"reduction={reduction!r}, which is not a mean over the batch, so the slices "
+                "cannot be combined into the full-batch distillation loss exactly. Use a label "
+                "loss with reduction='sum_over_batch_size', or microbatches=1."
+            )
 
     def get_compile_config(self):
         config = super().get_compile_config()

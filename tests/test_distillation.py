@@ -665,3 +665,20 @@ def test_probability_models_config_and_keras_file_round_trip(digits, tmp_path):
         loaded.predict(x[:8], verbose=0), model.predict(x[:8], verbose=0), rtol=1e-6
     )
     np.testing.assert_allclose(loaded.predict(x[:8], verbose=0).sum(-1), 1.0, rtol=1e-5)
+
+
+def test_microbatches_refuse_a_label_loss_that_is_not_a_batch_mean(digits):
+    # A sum-reduced label loss cannot be combined slice by slice as a share of a mean: refused
+    # before any update rather than trained on a different one.
+    (x, y), _ = digits
+    student = mlp([8])
+    before = [w.copy() for w in student.get_weights()]
+    model = kp.DistillationModel(student, mlp([32]), microbatches=2)
+    model.compile(
+        "sgd",
+        student_loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction="sum"),
+    )
+    with pytest.raises(ValueError, match="reduction='sum'.*microbatches=1"):
+        model.fit(x[:64], y[:64], batch_size=64, epochs=1, verbose=0)
+    for a, b in zip(before, student.get_weights()):
+        np.testing.assert_array_equal(a, b)

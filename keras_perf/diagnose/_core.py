@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import keras
@@ -37,8 +36,11 @@ class _Context:
             with _backend.model_scope(self.model):
                 twin = keras.models.clone_model(self.model, clone_function=clone)
                 twin.set_weights(self.model.get_weights())
-                _measure.compile_twin(twin, self.compile_args, optimizer=_measure._fresh(
-                    self.compile_args["optimizer"]))
+                _measure.compile_twin(
+                    twin,
+                    self.compile_args,
+                    optimizer=_measure._fresh(self.compile_args["optimizer"]),
+                )
         finally:
             keras.mixed_precision.set_global_policy(previous)
         self.mixed_twin = twin
@@ -117,18 +119,21 @@ def diagnose(model, x, y=None, batch_size=None, steps=50, max_seconds=60, what_i
 
 
 def _repeat(model, n, slice_end, deadline, max_repeats=7, **fit_kwargs):
-    """Median seconds per step over repeated `n`-step fits until `slice_end` (at least one).
+    """Fastest seconds per step over repeated `n`-step fits until `slice_end` (at least one).
 
     A fit of a few dozen small steps lasts milliseconds, where one lost time slice on a busy
-    machine doubles it: the median of several is what a longer run would see.
+    machine doubles it: as `timeit` does, the fastest of several repeats is the estimate least
+    disturbed by other work on the machine.
     """
     per_step, done = [], n
     for _ in range(max_repeats):
-        seconds, done, _ = _measure.fit_steps(model, n, deadline, **fit_kwargs)
+        seconds, done, clock = _measure.fit_steps(model, n, deadline, **fit_kwargs)
         per_step.append(seconds / done)
-        if time.perf_counter() > slice_end or done < n:
+        if clock.late:  # stopped at the deadline: the later measurements take fewer steps
+            return min(per_step), done
+        if time.perf_counter() > slice_end:
             break
-    return statistics.median(per_step), done
+    return min(per_step), n
 
 
 def _steady(clock, skip=1):
@@ -153,8 +158,9 @@ def _run(model, source, steps, max_seconds, what_if):
         )
     _backend.reset_peak_memory()
     try:
-        return _measure_all(model, twin, source, steps, max_seconds, what_if, notes, t_start,
-                            snapshot is None)
+        return _measure_all(
+            model, twin, source, steps, max_seconds, what_if, notes, t_start, snapshot is None
+        )
     finally:
         if snapshot is not None:
             snapshot.restore()
@@ -250,9 +256,11 @@ def _measure_all(model, twin, source, steps, max_seconds, what_if, notes, t_star
 
     what_ifs = []
     if what_if:
-        base_kwargs = source.fit_kwargs() if not source.one_pass else {
-            "x": xs, "y": ys, "sample_weight": sws, "batch_size": B, "shuffle": False
-        }
+        base_kwargs = (
+            source.fit_kwargs()
+            if not source.one_pass
+            else {"x": xs, "y": ys, "sample_weight": sws, "batch_size": B, "shuffle": False}
+        )
         base_step = together if not source.one_pass else t_b
         device_bytes = None
         for d in _backend.list_devices():
@@ -272,6 +280,15 @@ def _measure_all(model, twin, source, steps, max_seconds, what_if, notes, t_star
             larger_batch_fits=peak is None or device_bytes is None or 2 * peak < device_bytes,
         )
         changes, more_notes = _what_if.candidates(ctx)
+        # The changes most likely to help this bottleneck first, in case the budget runs out.
+        first = {
+            "input": ("PyDataset", "tf.data"),
+            "host": ("steps_per_execution", "jit_compile", "batch_size"),
+            "compute": ("mixed", "jit_compile", "batch_size"),
+        }[bottleneck]
+        changes.sort(
+            key=lambda c: next((i for i, p in enumerate(first) if c.change.startswith(p)), 99)
+        )
         notes.extend(more_notes)
         what_ifs = _time_changes(ctx, changes, base_step, B, deadline, max(retrace), notes)
 
@@ -307,7 +324,7 @@ def _time_changes(ctx, changes, base_step, B, deadline, retrace_s, notes):
     for i, change in enumerate(changes):
         remaining = len(changes) - i
         left = deadline - time.perf_counter()
-        if left < retrace_s + ctx.steps * base_step:
+        if left < retrace_s * change.retraces + ctx.steps * base_step:
             notes.append(f"{change.change} not measured: the time budget ran out.")
             continue
         target = ctx.twin
@@ -315,7 +332,8 @@ def _time_changes(ctx, changes, base_step, B, deadline, retrace_s, notes):
             target = change.apply() or ctx.twin
             k = change.steps_multiple
             n = max((ctx.steps // k) * k, k)
-            _measure.fit_steps(target, min(2 * k, n), None, **change.fit_kwargs)  # trace
+            if change.retraces:
+                _measure.fit_steps(target, min(2 * k, n), None, **change.fit_kwargs)  # trace
             slice_end = time.perf_counter() + left / remaining
             per_step, done = _repeat(target, n, slice_end, deadline, **change.fit_kwargs)
         except Exception as exc:  # the change does not work here: not offered

@@ -134,6 +134,7 @@ class _Clock(keras.callbacks.Callback):
         self.marks: list[int] = []  # steps done at each time
         self.first_begin = None
         self.end = None
+        self.late = False
 
     def on_train_batch_begin(self, batch, logs=None):
         if self.first_begin is None:
@@ -150,6 +151,7 @@ class _Clock(keras.callbacks.Callback):
             now = time.perf_counter()
             self.end = now
             if late:
+                self.late = True
                 self._target.stop_training = True
         self.times.append(now)
         self.marks.append(self.steps)

@@ -75,9 +75,7 @@ class Diagnosis:
             width = max(len(w["change"]) for w in self.what_if)
             for w in self.what_if:
                 gain = "" if w["speedup"] > 1.05 else "  (no gain)"
-                lines.append(
-                    f"  {w['speedup']:5.2f}x  {w['change']:<{width}}  {w['how']}{gain}"
-                )
+                lines.append(f"  {w['speedup']:5.2f}x  {w['change']:<{width}}  {w['how']}{gain}")
         if self.peak_memory_bytes is not None:
             lines.append(f"peak accelerator memory: {self.peak_memory_bytes / 2**20:,.0f} MiB")
         lines.append(

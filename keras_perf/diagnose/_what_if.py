@@ -19,8 +19,19 @@ class Change:
     the batch size it trains with (for examples/s).
     """
 
-    def __init__(self, change, how, fit_kwargs, examples_per_step, apply=None, undo=None, steps_multiple=1):
+    def __init__(
+        self,
+        change,
+        how,
+        fit_kwargs,
+        examples_per_step,
+        apply=None,
+        undo=None,
+        steps_multiple=1,
+        retraces=True,
+    ):
         self.change = change
+        self.retraces = retraces  # False: same shapes and train function (data-side changes)
         self.how = how
         self.fit_kwargs = fit_kwargs
         self.examples_per_step = examples_per_step
@@ -82,6 +93,7 @@ def candidates(ctx) -> tuple[list[Change], list[str]]:
                     B,
                     set_workers,
                     reset_workers,
+                    retraces=False,
                 )
             )
     if source.kind == "tf.data":
@@ -95,6 +107,7 @@ def candidates(ctx) -> tuple[list[Change], list[str]]:
                     "dataset = dataset.prefetch(tf.data.AUTOTUNE)  # last in the pipeline",
                     {"x": ds.prefetch(tf.data.AUTOTUNE)},
                     B,
+                    retraces=False,
                 )
             )
         if _map_datasets(ds):
@@ -106,6 +119,7 @@ def candidates(ctx) -> tuple[list[Change], list[str]]:
                     "dataset = dataset.map(fn, num_parallel_calls=tf.data.AUTOTUNE)",
                     {"x": ds.with_options(options).prefetch(tf.data.AUTOTUNE)},
                     B,
+                    retraces=False,
                 )
             )
     if source.kind == "arrays" and ctx.larger_batch_fits:

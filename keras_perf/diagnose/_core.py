@@ -119,7 +119,7 @@ def diagnose(model, x, y=None, batch_size=None, steps=50, max_seconds=60, what_i
 
 
 def _repeat(model, n, slice_end, deadline, max_repeats=7, **fit_kwargs):
-    """Fastest seconds per step over repeated `n`-step fits until `slice_end` (at least one).
+    """Fastest seconds per step over `n`-step fits repeated until `slice_end` (3 to 7 times).
 
     A fit of a few dozen small steps lasts milliseconds, where one lost time slice on a busy
     machine doubles it: as `timeit` does, the fastest of several repeats is the estimate least
@@ -131,7 +131,7 @@ def _repeat(model, n, slice_end, deadline, max_repeats=7, **fit_kwargs):
         per_step.append(seconds / done)
         if clock.late:  # stopped at the deadline: the later measurements take fewer steps
             return min(per_step), done
-        if time.perf_counter() > slice_end:
+        if time.perf_counter() > slice_end and len(per_step) >= 3:
             break
     return min(per_step), n
 

@@ -167,16 +167,16 @@ def test_wide_mlp_at_large_batch_is_compute_bound():
     model = keras.Sequential(
         [
             keras.Input((512,)),
-            keras.layers.Dense(1024, activation="relu"),
-            keras.layers.Dense(1024, activation="relu"),
+            keras.layers.Dense(2048, activation="relu"),
+            keras.layers.Dense(2048, activation="relu"),
             keras.layers.Dense(10),
         ]
     )
     model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(1024, 512)).astype("float32")
-    y = rng.integers(0, 10, 1024)
-    d = kp.diagnose(model, x, y, batch_size=256, steps=4, max_seconds=6, what_if=False)
+    x = rng.normal(size=(1536, 512)).astype("float32")
+    y = rng.integers(0, 10, 1536)
+    d = kp.diagnose(model, x, y, batch_size=512, steps=3, max_seconds=8, what_if=False)
     assert d.bottleneck == "compute", str(d)
     assert d.what_if == []
 

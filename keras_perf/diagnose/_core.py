@@ -118,7 +118,7 @@ def diagnose(model, x, y=None, batch_size=None, steps=50, max_seconds=60, what_i
         rng.restore()
 
 
-def _repeat(model, n, slice_end, deadline, max_repeats=7, **fit_kwargs):
+def _repeat(model, n, slice_end, deadline, max_repeats=7, setups=None, setup=None, **fit_kwargs):
     """Fastest seconds per step over `n`-step fits repeated until `slice_end` (3 to 7 times).
 
     A fit of a few dozen small steps lasts milliseconds, where one lost time slice on a busy
@@ -127,8 +127,10 @@ def _repeat(model, n, slice_end, deadline, max_repeats=7, **fit_kwargs):
     """
     per_step, done = [], n
     for _ in range(max_repeats):
-        seconds, done, clock = _measure.fit_steps(model, n, deadline, **fit_kwargs)
+        seconds, done, clock = _measure.fit_steps(model, n, deadline, setup, **fit_kwargs)
         per_step.append(seconds / done)
+        if setups is not None and clock.setup is not None:
+            setups.append(clock.setup)
         if clock.late:  # stopped at the deadline: the later measurements take fewer steps
             return min(per_step), done
         if time.perf_counter() > slice_end and len(per_step) >= 3:
@@ -202,8 +204,11 @@ def _measure_all(model, twin, source, steps, max_seconds, what_if, notes, t_star
     def until(seconds):
         return min(time.perf_counter() + seconds, deadline)
 
+    setups = []  # fit's own set-up before the first batch, on the user's input as it is
     if not source.one_pass:
-        together, done = _repeat(twin, n, until(slice_s), deadline, **source.fit_kwargs())
+        together, done = _repeat(
+            twin, n, until(slice_s), deadline, setups=setups, **source.fit_kwargs()
+        )
         n = done  # every later measurement runs as many steps: the same fixed costs
         # 2. The input alone.
         batches, input_s = source.take(n, until(slice_s))
@@ -290,6 +295,7 @@ def _measure_all(model, twin, source, steps, max_seconds, what_if, notes, t_star
             key=lambda c: next((i for i, p in enumerate(first) if c.change.startswith(p)), 99)
         )
         notes.extend(more_notes)
+        ctx.setup = min(setups) if setups else None
         what_ifs = _time_changes(ctx, changes, base_step, B, deadline, max(retrace), notes)
 
     return Diagnosis(
@@ -335,7 +341,12 @@ def _time_changes(ctx, changes, base_step, B, deadline, retrace_s, notes):
             if change.retraces:
                 _measure.fit_steps(target, min(2 * k, n), None, **change.fit_kwargs)  # trace
             slice_end = time.perf_counter() + left / remaining
-            per_step, done = _repeat(target, n, slice_end, deadline, **change.fit_kwargs)
+            # A change to the input is timed from the start of its fit, less the set-up the
+            # unchanged input needed: batches its workers queue meanwhile are not free.
+            setup = ctx.setup if not change.retraces else None
+            per_step, done = _repeat(
+                target, n, slice_end, deadline, setup=setup, **change.fit_kwargs
+            )
         except Exception as exc:  # the change does not work here: not offered
             if _backend.is_oom(exc):
                 notes.append(

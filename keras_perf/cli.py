@@ -1,4 +1,4 @@
-"""The `keras-perf` command: `doctor`, `demo` and `bench`.
+"""The `keras-perf` command: `doctor`, `demo`, `bench` and `diagnose`.
 
 Arguments are parsed before Keras is imported, so `--help` and argument errors answer at once
 (see keras_perf/_imports.py for how the package defers its own imports in this process). Unless
@@ -235,6 +235,64 @@ def bench(args: argparse.Namespace) -> int:
     return bench_module.main(args)
 
 
+def diagnose(args: argparse.Namespace) -> int:
+    """Diagnose a saved model's training speed on synthetic inputs of its shape."""
+    import json
+
+    import keras
+    import numpy as np
+
+    import keras_perf as kp
+
+    model = keras.saving.load_model(args.model)
+    if not getattr(model, "compiled", False) or model.optimizer is None:
+        print(
+            f"keras-perf diagnose: {args.model} was saved without its compile settings; "
+            "compile it and save it again.",
+            file=sys.stderr,
+        )
+        return 2
+    batch = args.batch_size or 32
+    n = batch * args.steps
+    rng = np.random.default_rng(0)
+
+    def synthetic(tensor):
+        shape = (n, *[d or 1 for d in tuple(tensor.shape)[1:]])
+        dtype = str(getattr(tensor.dtype, "name", tensor.dtype))
+        if "int" in dtype:
+            return rng.integers(0, 2, shape).astype(dtype)
+        return rng.normal(size=shape).astype(dtype)
+
+    xs = [synthetic(t) for t in model.inputs]
+    x = xs[0] if len(xs) == 1 else xs
+    ys = []
+    for t in model.outputs:
+        shape = tuple(t.shape)[1:]
+        loss = str(getattr(model, "loss", "")).lower()
+        if "sparse" in loss and shape:
+            ys.append(rng.integers(0, int(shape[-1] or 1), (n, *shape[:-1])).astype("int32"))
+        else:
+            ys.append(rng.normal(size=(n, *[d or 1 for d in shape])).astype("float32"))
+    y = ys[0] if len(ys) == 1 else ys
+    d = kp.diagnose(model, x, y, batch_size=batch, steps=args.steps, max_seconds=args.max_seconds)
+    if args.json:
+        print(json.dumps(d.to_dict(), indent=2))
+    else:
+        print(d)
+        print("note: synthetic inputs of the model's shape: the input share of real data differs.")
+    return 0
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     # `--verbose` is accepted before or after the subcommand; SUPPRESS keeps a subparser's
     # default from overwriting a `--verbose` given before it.
@@ -251,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Faster, smaller, harder-to-break Keras 3 training.",
         parents=[common],
     )
-    sub = parser.add_subparsers(dest="command", metavar="{doctor,demo,bench}")
+    sub = parser.add_subparsers(dest="command", metavar="{doctor,demo,bench,diagnose}")
     p = sub.add_parser(
         "doctor", parents=[common], help="environment, backend, devices, mixed-precision support"
     )
@@ -308,6 +366,26 @@ def build_parser() -> argparse.ArgumentParser:
         "--json", default=None, metavar="PATH", help="with --gpu: write every row as JSON"
     )
     p.set_defaults(func=bench)
+    p = sub.add_parser(
+        "diagnose",
+        parents=[common],
+        help="where a saved model's training time goes (synthetic inputs of its shape)",
+    )
+    p.add_argument("model", help="a saved, compiled model (.keras)")
+    p.add_argument(
+        "--batch-size", type=_positive_int, default=None, help="batch size (default: 32)"
+    )
+    p.add_argument(
+        "--steps", type=_positive_int, default=50, help="steps per measurement (default: 50)"
+    )
+    p.add_argument(
+        "--max-seconds",
+        type=_positive_float,
+        default=60.0,
+        help="time budget after the first trace (default: 60)",
+    )
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=diagnose)
     return parser
 
 

@@ -1,0 +1,173 @@
+"""Benchmark of kp.diagnose: its verdicts, and its predicted speed-ups against real training.
+
+Three cases with a bottleneck beyond doubt:
+1. input: a PyDataset that sleeps 20 ms per batch (digits MLP, batch 16);
+2. host: a 64-32-10 MLP on digits at batch 8;
+3. compute: a 512-2048-2048-10 MLP with SGD at batch 512.
+
+For each: the verdict; the top what-if's predicted speed-up next to the real one, a 3-epoch
+`fit` with the change applied against one without (alternated, 5 repeats, median; target:
+within 25 %); and the cost of diagnose itself (target: below `max_seconds` plus the set-up).
+torch runs with one intra-op thread (`torch.set_num_threads(1)`).
+
+Run: python benchmarks/bench_diagnose.py [--quick] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+from _harness import digits, finish, parse_args, row  # noqa: E402
+
+import keras_perf as kp  # noqa: E402
+
+if keras.backend.backend() == "torch":
+    import torch
+
+    torch.set_num_threads(1)
+
+
+class Sleepy(keras.utils.PyDataset):
+    def __init__(self, x, y, batches, **kwargs):
+        super().__init__(**kwargs)
+        self.x, self.y, self.batches = x, y, batches
+
+    def __len__(self):
+        return self.batches
+
+    def __getitem__(self, i):
+        time.sleep(0.02)
+        j = (i * 16) % (len(self.x) - 16)
+        return self.x[j : j + 16], self.y[j : j + 16]
+
+
+def mlp(sizes, optimizer="adam"):
+    keras.utils.set_random_seed(0)
+    layers = [keras.Input((sizes[0],))]
+    layers += [keras.layers.Dense(n, activation="relu") for n in sizes[1:-1]]
+    layers.append(keras.layers.Dense(sizes[-1]))
+    model = keras.Sequential(layers)
+    model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def cases(quick):
+    (x, y), _ = digits()
+    rng = np.random.default_rng(0)
+    n_big = 2048 if quick else 8192
+    xb = rng.normal(size=(n_big, 512)).astype("float32")
+    yb = rng.integers(0, 10, n_big)
+    return [
+        ("input", lambda: mlp([64, 32, 10]), {"x": Sleepy(x, y, 20 if quick else 60)}),
+        ("host", lambda: mlp([64, 32, 10]), {"x": x, "y": y, "batch_size": 8}),
+        (
+            "compute",
+            lambda: mlp([512, 2048, 2048, 10], "sgd"),
+            {"x": xb, "y": yb, "batch_size": 512},
+        ),
+    ]
+
+
+def applied(change: str, model_fn, data: dict):
+    """A fresh model and the fit arguments with `change` applied (as its `how` line says)."""
+    model, data = model_fn(), dict(data)
+    if change.startswith("steps_per_execution="):
+        k = int(change.split("=")[1])
+        model.compile(model.optimizer, model.loss, steps_per_execution=k)
+    elif change == "jit_compile=True":
+        model.compile(model.optimizer, model.loss, jit_compile=True)
+    elif change.startswith("batch_size="):
+        data["batch_size"] = int(change.split("=")[1])
+    elif change == "PyDataset workers=4":
+        old = data["x"]
+        data["x"] = Sleepy(old.x, old.y, old.batches, workers=4)
+    else:
+        raise ValueError(f"no recipe for {change!r}")
+    return model, data
+
+
+def examples_per_s(model, data, epochs):
+    t0 = time.perf_counter()
+    history = model.fit(**data, epochs=epochs, verbose=0)
+    seconds = time.perf_counter() - t0
+    assert len(history.history["loss"]) == epochs
+    x = data["x"]
+    examples = len(x) * 16 if isinstance(x, keras.utils.PyDataset) else len(x)
+    return examples * epochs / seconds
+
+
+def main():
+    args = parse_args(__doc__.splitlines()[0])
+    repeats, max_seconds = (1, 20) if args.quick else (5, 60)
+    epochs = 1 if args.quick else 3
+    rows = []
+    for expected, model_fn, data in cases(args.quick):
+        model = model_fn()
+        t0 = time.perf_counter()
+        d = kp.diagnose(model, steps=20 if args.quick else 50, max_seconds=max_seconds, **data)
+        cost = time.perf_counter() - t0
+        print(d, "\n")
+        rows.append(
+            row(
+                f"diagnose verdict, {expected} case",
+                {"wall_ratio": float(d.bottleneck == expected), "cpu_ratio": None, "repeats": 1},
+                "1 (right)",
+                note=f"said {d.bottleneck}; shares "
+                + ", ".join(f"{k} {v:.2f}" for k, v in d.shares.items()),
+            )
+        )
+        rows.append(
+            row(
+                f"diagnose cost / (max_seconds + set-up), {expected} case",
+                {
+                    "wall_ratio": cost / (max_seconds + d.trace_seconds),
+                    "cpu_ratio": None,
+                    "repeats": 1,
+                },
+                "< 1",
+                note=f"{cost:.1f} s (set-up {d.trace_seconds:.1f} s)",
+            )
+        )
+        if not d.what_if:
+            continue
+        top = d.what_if[0]
+        try:
+            changed_model, changed_data = applied(top["change"], model_fn, data)
+        except ValueError as exc:
+            print(exc)
+            continue
+        base_model = model_fn()
+        for m, dd in ((base_model, data), (changed_model, changed_data)):
+            m.fit(**dd, epochs=1, verbose=0)  # compile and warm up
+        ratios = []
+        for _ in range(repeats):
+            a1 = examples_per_s(base_model, data, epochs)
+            b1 = examples_per_s(changed_model, changed_data, epochs)
+            b2 = examples_per_s(changed_model, changed_data, epochs)
+            a2 = examples_per_s(base_model, data, epochs)
+            ratios.append((b1 + b2) / (a1 + a2))
+        real = statistics.median(ratios)
+        rows.append(
+            row(
+                f"predicted / real speed-up of '{top['change']}', {expected} case",
+                {
+                    "wall_ratio": top["speedup"] / real,
+                    "cpu_ratio": None,
+                    "wall_spread": (min(ratios), max(ratios)),
+                    "repeats": repeats,
+                },
+                "0.75-1.25",
+                note=f"predicted {top['speedup']:.2f}x, real {real:.2f}x ({epochs}-epoch fits)",
+            )
+        )
+    finish(rows, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,11 @@
+"""Diagnosis of training speed: where the time of a step goes, and what each change buys.
+
+`diagnose` (in `_core.py`) measures with real `fit` calls on a twin of the model; `_data.py`
+reads the inputs `fit` takes, `_measure.py` times fits, `_what_if.py` lists the changes that
+apply, `_report.py` holds the `Diagnosis` (table, JSON, plot). Method: docs/diagnose.md.
+"""
+
+from keras_perf.diagnose._core import diagnose
+from keras_perf.diagnose._report import Diagnosis
+
+__all__ = ["Diagnosis", "diagnose"]

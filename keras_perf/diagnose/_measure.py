@@ -1,0 +1,196 @@
+"""Timing pieces for `diagnose`: the twin model, timed `fit` calls, and global random state.
+
+Everything is measured with real `fit` calls on a twin of the user's model (same layers,
+weights and compile settings; its own optimizer and metric objects), so the user's model and
+its next `fit` are untouched. A fit is timed from its start, after an untimed warm-up fit that
+traces the train function, and stopped at a deadline by a callback.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import warnings
+
+import keras
+import numpy as np
+
+from keras_perf import backend as _backend
+
+COMPILE_KEYS = (
+    "optimizer",
+    "loss",
+    "loss_weights",
+    "metrics",
+    "weighted_metrics",
+    "run_eagerly",
+    "steps_per_execution",
+    "jit_compile",
+)
+
+
+def compile_args(model) -> dict:
+    """The arguments `model.compile` was called with (Keras keeps them to save the model)."""
+    stored = getattr(model, "_compile_config", None)  # private; present since Keras 3.0
+    config = dict(getattr(stored, "config", {}) or {})
+    for key in ("run_eagerly", "steps_per_execution", "jit_compile"):
+        config[key] = getattr(model, key, config.get(key))
+    config.setdefault("optimizer", model.optimizer)
+    return config
+
+
+def _fresh(obj):
+    """A new object of the same class and config (optimizers, metrics: they carry state)."""
+    if isinstance(obj, (keras.optimizers.Optimizer, keras.metrics.Metric)):
+        return type(obj).from_config(obj.get_config())
+    if isinstance(obj, dict):
+        return {k: _fresh(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_fresh(v) for v in obj)
+    return obj
+
+
+def make_twin(model):
+    """A compiled twin of `model` with its weights, or None when Keras cannot clone it."""
+    args = compile_args(model)
+    with _backend.model_scope(model):
+        try:
+            twin = keras.models.clone_model(model)
+        except Exception:  # subclassed without get_config, custom layers, ...
+            return None
+        try:
+            twin.set_weights(model.get_weights())
+        except ValueError:
+            return None
+        compile_twin(twin, args)
+    return twin
+
+
+def compile_twin(twin, args, **changes) -> None:
+    kwargs = {k: _fresh(args[k]) for k in COMPILE_KEYS if k in args}
+    if isinstance(twin.optimizer, keras.optimizers.Optimizer) and "optimizer" not in changes:
+        kwargs["optimizer"] = twin.optimizer  # a recompile keeps the twin's built optimizer
+    kwargs.update(changes)
+    twin.compile(**kwargs)
+
+
+class Snapshot:
+    """Values of every variable of a model, its optimizer and metrics, to put back later."""
+
+    def __init__(self, model):
+        seen, self.pairs = set(), []
+        optimizer = getattr(model, "optimizer", None)
+        extra = list(optimizer.variables) if optimizer is not None else []
+        for v in list(model.variables) + extra + list(model.metrics_variables):
+            if id(v) not in seen:
+                seen.add(id(v))
+                self.pairs.append((v, np.array(keras.ops.convert_to_numpy(v.value), copy=True)))
+        self.attrs = {k: getattr(model, k, None) for k in ("history", "stop_training")}
+        self.model = model
+
+    def restore(self):
+        for v, value in self.pairs:
+            v.assign(value)
+        for k, value in self.attrs.items():
+            setattr(self.model, k, value)
+
+
+class RandomState:
+    """Python's, NumPy's (and torch's) global random state: fit and clone_model draw from them."""
+
+    def __init__(self):
+        self.py = random.getstate()
+        self.np = np.random.get_state()
+        self.torch = None
+        if keras.backend.backend() == "torch":
+            import torch
+
+            self.torch = torch.random.get_rng_state()
+
+    def restore(self):
+        random.setstate(self.py)
+        np.random.set_state(self.np)
+        if self.torch is not None:
+            import torch
+
+            torch.random.set_rng_state(self.torch)
+
+
+class _Clock(keras.callbacks.Callback):
+    """Times a fit from its first batch's start to its last batch's end, and stops it at `deadline`.
+
+    Async-safe (keeps Keras' async dispatch on JAX and torch); at the last step it reads the
+    loss, which waits for the device to finish, before reading the clock.
+    """
+
+    def __init__(self, model, steps, deadline):
+        super().__init__()
+        self.async_safe = True
+        self._target = model  # not self.model: reading it syncs the state on JAX
+        self.planned = steps
+        self.deadline = deadline
+        self.steps = 0
+        self.times: list[float] = []
+        self.marks: list[int] = []  # steps done at each time
+        self.first_begin = None
+        self.end = None
+        self.late = False
+        self.train_end = None
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self.first_begin is None:
+            self.first_begin = time.perf_counter()
+
+    def on_train_end(self, logs=None):
+        self.train_end = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.steps = batch + 1
+        now = time.perf_counter()
+        late = self.deadline is not None and now > self.deadline
+        if self.steps >= self.planned or late:
+            loss = (logs or {}).get("loss")
+            if loss is not None:
+                np.asarray(keras.ops.convert_to_numpy(loss))  # waits for the step to finish
+            now = time.perf_counter()
+            self.end = now
+            if late:
+                self.late = True
+                self._target.stop_training = True
+        self.times.append(now)
+        self.marks.append(self.steps)
+
+
+def fit_steps(model, steps, deadline=None, setup=None, **fit_kwargs):
+    """Run `fit` for up to `steps` steps (stopped at `deadline`).
+
+    Returns `(seconds, steps_done, clock)`: `seconds` from the first batch's start (after `fit`
+    has made its data iterator and started any workers, which then still have to deliver the
+    first batch) to the end of the last step, so that the one-off set-up and wrap-up of a `fit`
+    call do not count against a few dozen steps. With `setup` (seconds), the time runs from the
+    start of `fit` less `setup` instead: for a change to the input (workers, prefetch) that would
+    otherwise queue batches for free between its start and the first batch.
+    """
+    clock = _Clock(model, steps, deadline)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*ran out of data.*")
+        warnings.filterwarnings("ignore", message=".*`shuffle=True` was passed.*")
+        t0 = time.perf_counter()
+        model.fit(**fit_kwargs, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[clock])
+        seconds = time.perf_counter() - t0
+    clock.start = t0
+    clock.setup = None if clock.first_begin is None else clock.first_begin - t0
+    if keras.backend.backend() == "jax" and clock.train_end is not None:
+        # JAX's fit hands async callbacks the logs a step late: the loss read at the last
+        # step does not wait for it. The end of training (state synced back) does.
+        clock.end = clock.train_end
+    if clock.end is not None and setup is not None:
+        seconds = max(clock.end - t0 - setup, 1e-9)
+    elif clock.first_begin is not None and clock.end is not None:
+        seconds = clock.end - clock.first_begin
+    return seconds, max(clock.steps, 1), clock
+
+
+def peak_memory() -> int | None:
+    stats = _backend.memory_stats()
+    return None if stats is None else stats.get("peak_bytes")

@@ -20,7 +20,7 @@ else:
     from keras_perf._utils import KerasPerfWarning
     from keras_perf.channel_pruning import ChannelPruningCallback, channel_report, shrink
     from keras_perf.devices import configure_devices, device_report
-    from keras_perf.diagnose import Diagnosis, diagnose
+    from keras_perf.diagnosis import Diagnosis, diagnose
     from keras_perf.distillation import DistillationModel, precompute_teacher_logits
     from keras_perf.export import compression_report, export_tflite, tflite_predict
     from keras_perf.flops import estimate_flops_per_example, peak_flops_for_device

@@ -64,7 +64,7 @@ def _map_datasets(dataset) -> list:
 
 def candidates(ctx) -> tuple[list[Change], list[str]]:
     """The changes that apply to this model, data and backend; and notes on those that do not."""
-    from keras_perf.diagnose._measure import compile_twin
+    from keras_perf.diagnosis._measure import compile_twin
 
     out, notes = [], []
     backend = keras.backend.backend()

@@ -8,8 +8,8 @@ import keras
 
 from keras_perf import backend as _backend
 from keras_perf._utils import check_bool, check_int, check_number
-from keras_perf.diagnose import _data, _measure, _what_if
-from keras_perf.diagnose._report import Diagnosis
+from keras_perf.diagnosis import _data, _measure, _what_if
+from keras_perf.diagnosis._report import Diagnosis
 
 # Share of the budget for the four baseline measurements when what-ifs follow.
 _BASELINE_SHARE = 0.45

@@ -5,7 +5,7 @@ reads the inputs `fit` takes, `_measure.py` times fits, `_what_if.py` lists the 
 apply, `_report.py` holds the `Diagnosis` (table, JSON, plot). Method: docs/diagnose.md.
 """
 
-from keras_perf.diagnose._core import diagnose
-from keras_perf.diagnose._report import Diagnosis
+from keras_perf.diagnosis._core import diagnose
+from keras_perf.diagnosis._report import Diagnosis
 
 __all__ = ["Diagnosis", "diagnose"]

@@ -21,7 +21,8 @@ faster, an effect of the weight values, not of the graph. Params and MACs (from 
 
 Each timed unit (one forward call of batch 64, one `predict` of 1,024 examples, 20 TFLite
 invokes of one example, one thread) runs for the three models in the palindromic order
-original, shrink, twin, twin, shrink, original in one process, 7 times (5 for `predict`);
+original, shrink, twin, twin, shrink, original in one process, 7 times (5 for `predict`;
+torch on one thread, see `main`);
 per path three rows: shrink / original, twin / original (the hand-built model's own speed-up,
 the reference where the target cannot be reached) and shrink / twin, each the median ratio of
 wall and process CPU time with its spread (min, max). Each row's note has the median
@@ -214,6 +215,13 @@ def main():
     # Full: 7 repeats (6 calls each) of the short units, 5 of `predict` (the longest unit).
     repeats = dict.fromkeys(("forward", "predict", "tflite"), 2) if args.quick else {
         "forward": 7, "predict": 5, "tflite": 7}  # fmt: skip
+    if BACKEND == "torch":
+        # One intra-op thread: with two, on the loaded shared machine, threads spinning while
+        # they wait inflated CPU time and spread (a run had done 3 of its 18 rows after 7
+        # minutes); with one the full run takes about 5 minutes.
+        import torch
+
+        torch.set_num_threads(1)
     print(f"{BACKEND}; {machine()}; load average {os.getloadavg()}", flush=True)
     rows = []
     with tempfile.TemporaryDirectory() as folder:

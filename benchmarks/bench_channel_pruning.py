@@ -14,11 +14,19 @@ Models: the ResNet-style CNN at 16x16 and 32x32 inputs, and
 Half the channels are removed by `kp.ChannelPruningCallback(kp.ConstantSparsity(0.5, 0))`
 over one training step. The ResNet twin is `resnet(width / 2)`; MobileNetV2's twin is a fresh
 model built from the shrunk model's config (its groups shrink unevenly: no `alpha` gives the
-same widths). Params and MACs (from `kp.channel_report`) go in each row's note.
+same widths). The twin gets the shrunk model's weights: the TFLite converter merges equal
+constant buffers, and the zero biases folded from a fresh model's untrained BatchNorm made a
+fresh MobileNetV2 twin's file 6 % smaller (132 tensors instead of 173, same ops) and ~10 %
+faster, an effect of the weight values, not of the graph. Params and MACs (from `kp.channel_report`, exact) go in each row's note.
 
 Each timed unit (one forward call of batch 64, one `predict` of 1,024 examples, 20 TFLite
-invokes of one example) alternates A B B A in one process; rows give the median ratio and its
-spread. Run:
+invokes of one example, one thread) runs for the three models in the palindromic order
+original, shrink, twin, twin, shrink, original in one process, 7 times (5 for `predict`;
+torch on one thread, see `main`);
+per path three rows: shrink / original, twin / original (the hand-built model's own speed-up,
+the reference where the target cannot be reached) and shrink / twin, each the median ratio of
+wall and process CPU time with its spread (min, max). Each row's note has the median
+milliseconds per call of the three models and the 1-minute load average. Run:
 
     KERAS_BACKEND=tensorflow python benchmarks/bench_channel_pruning.py [--quick] [--json out.json]
 """
@@ -26,6 +34,7 @@ spread. Run:
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 import tempfile
 import warnings
@@ -33,7 +42,7 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-from _harness import abba, finish, parse_args, row  # noqa: E402
+from _harness import finish, machine, parse_args, row, summarize, timed  # noqa: E402
 
 import keras_perf as kp  # noqa: E402
 
@@ -134,51 +143,98 @@ def sizes(model) -> tuple[int, int]:
     return total["params_before"], total["macs_before"]
 
 
+def abba3(original, small, twin, repeats):
+    """O S T T S O, `repeats` times: a palindrome, so linear drift cancels for every pair.
+
+    Returns {"s/o": ..., "t/o": ..., "s/t": ...} (each `summarize`'s dict) and the median
+    wall and CPU milliseconds of one call of each variant.
+    """
+    times = {"o": [], "s": [], "t": []}
+    ratios = {"s/o": ([], []), "t/o": ([], []), "s/t": ([], [])}
+    for _ in range(repeats):
+        one = {"o": [], "s": [], "t": []}
+        for key, fn in (("o", original), ("s", small), ("t", twin),
+                        ("t", twin), ("s", small), ("o", original)):  # fmt: skip
+            one[key].append(timed(fn))
+        for key, pairs in one.items():
+            times[key] += pairs
+        sums = {k: (sum(w for w, _ in v), sum(c for _, c in v)) for k, v in one.items()}
+        for name, (wall, cpu) in ratios.items():
+            a, b = name.split("/")
+            wall.append(sums[a][0] / sums[b][0])
+            cpu.append(sums[a][1] / max(sums[b][1], 1e-9))
+    result = {name: summarize(wall, cpu) for name, (wall, cpu) in ratios.items()}
+    ms = {k: (round(1e3 * statistics.median(w for w, _ in v), 2),
+              round(1e3 * statistics.median(c for _, c in v), 2)) for k, v in times.items()}  # fmt: skip
+    return result, ms
+
+
+def add_rows(rows, name, kind, repeats, runs, target, note):
+    result, ms = abba3(runs["o"], runs["s"], runs["t"], repeats)
+    note = (f"{note}; median ms wall/cpu: original {ms['o']}, shrink {ms['s']}, "
+            f"twin {ms['t']}; load avg {os.getloadavg()[0]:.1f}")  # fmt: skip
+    for pair, label, tgt in (("s/o", "shrink / original", target),
+                             ("t/o", "twin / original (reference)", "-"),
+                             ("s/t", "shrink / twin", "<= 1.10")):  # fmt: skip
+        r = row(f"{name} {kind}: {label}", result[pair], tgt, note=note)
+        r["ms"] = ms
+        r["loadavg"] = [round(v, 1) for v in os.getloadavg()]
+        rows.append(r)
+        print(f"  {r['claim']}: cpu {r['cpu_ratio']} {r['cpu_spread']} wall {r['wall_ratio']} "
+              f"{r['wall_spread']}", flush=True)  # fmt: skip
+
+
 def measure(name, original, small, twin, repeats, rows, folder):
     p0, m0 = sizes(original)
     p1, m1 = sizes(small)
     p2, m2 = sizes(twin)
     note = f"params {p0}->{p1} (twin {p2}), MACs {m0}->{m1} (twin {m2})"
-    print(f"{name}: {note}")
+    print(f"{name}: {note}", flush=True)
     x = np.random.default_rng(1).random((1024, *original.inputs[0].shape[1:]), dtype="float32")
-    kinds = {"forward": forward, "predict": predict}
-    for kind, make in kinds.items():
+    resnet_tf = name.startswith("resnet") and BACKEND == "tensorflow"
+    for kind, make in (("forward", forward), ("predict", predict)):
         data = x[:BATCH] if kind == "forward" else x
         runs = {k: make(m, data) for k, m in (("o", original), ("s", small), ("t", twin))}
         for fn in runs.values():
             fn()
             fn()  # warm-up: trace and compile
-        fast = abba(runs["o"], runs["s"], repeats)
-        rows.append(row(f"{name} {kind}: shrink / original", fast,
-                        "<= 0.556" if name.startswith("resnet") and kind == "forward" else "-",
-                        note=note))  # fmt: skip
-        rows.append(row(f"{name} {kind}: shrink / twin", abba(runs["t"], runs["s"], repeats),
-                        "<= 1.10", note=note))  # fmt: skip
+        target = "<= 0.556" if resnet_tf and kind == "forward" else "-"
+        add_rows(rows, name, kind, repeats[kind], runs, target, note)
     if BACKEND == "tensorflow":
         runs, files = {}, {}
         for k, m in (("o", original), ("s", small), ("t", twin)):
             runs[k], files[k] = tflite(m, x, folder)
             runs[k]()
         note_f = f"{note}; file bytes {files['o']}->{files['s']} (twin {files['t']})"
-        rows.append(row(f"{name} tflite: shrink / original", abba(runs["o"], runs["s"], repeats),
-                        "<= 0.556" if name.startswith("resnet") else "-", note=note_f))  # fmt: skip
-        rows.append(row(f"{name} tflite: shrink / twin", abba(runs["t"], runs["s"], repeats),
-                        "<= 1.10", note=note_f))  # fmt: skip
+        target = "<= 0.556" if name.startswith("resnet") else "-"
+        add_rows(rows, name, "tflite", repeats["tflite"], runs, target, note_f)
 
 
 def main():
     args = parse_args(__doc__.splitlines()[0])
-    repeats = 2 if args.quick else 7
+    # Full: 7 repeats (6 calls each) of the short units, 5 of `predict` (the longest unit).
+    repeats = dict.fromkeys(("forward", "predict", "tflite"), 2) if args.quick else {
+        "forward": 7, "predict": 5, "tflite": 7}  # fmt: skip
+    if BACKEND == "torch":
+        # One intra-op thread: with two, on the loaded shared machine, threads spinning while
+        # they wait inflated CPU time and spread (a run had done 3 of its 18 rows after 7
+        # minutes); with one the full run takes about 5 minutes.
+        import torch
+
+        torch.set_num_threads(1)
+    print(f"{BACKEND}; {machine()}; load average {os.getloadavg()}", flush=True)
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         for size in (16,) if args.quick else (16, 32):
             original = resnet(32, size)
             small = prune_half(original)
             twin = resnet(16, size, name="twin")
+            twin.set_weights(small.get_weights())
             measure(f"resnet{size}", original, small, twin, repeats, rows, folder)
         original = mobilenet()
         small = prune_half(original)
         twin = keras.Model.from_config(small.get_config())
+        twin.set_weights(small.get_weights())
         measure("mobilenetv2_0.35", original, small, twin, repeats, rows, folder)
     finish(rows, args)
 

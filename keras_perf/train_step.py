@@ -172,16 +172,16 @@ def loss_scaled(
         inputs, outputs = model.inputs, model.outputs
     except (AttributeError, ValueError):
         inputs = outputs = None
-    if inputs and outputs and _backend.is_functional(model):
-        # The nested structures (dict, list, nesting), not the flat lists: a dict-output
-        # model keeps its output names, so its dict losses, loss_weights and data still fit.
-        inputs = keras_internals.input_structure(model, inputs)
-        outputs = keras_internals.output_structure(model, outputs)
-    if not inputs or not outputs:
+    if not inputs or not outputs:  # the flat lists (a structure may be a single tensor)
         raise ValueError(
             f"Model '{model.name}' has no inputs yet: give the Sequential model an input shape "
             "(`keras.Input(shape)` as first layer) or call it on data before kp.loss_scaled()."
         )
+    if _backend.is_functional(model):
+        # The nested structures (dict, list, nesting), not the flat lists: a dict-output
+        # model keeps its output names, so its dict losses, loss_weights and data still fit.
+        inputs = keras_internals.input_structure(model, inputs)
+        outputs = keras_internals.output_structure(model, outputs)
     # Under the strategy `model` was made in (TF), so that the twin trains on its replicas too.
     with _backend.model_scope(model):
         new = LossScaledModel(

@@ -35,6 +35,7 @@ import os
 import numpy as np
 
 from keras_perf._utils import warn
+from keras_perf.backend import keras_internals
 
 # Written by `keras.callbacks.BackupAndRestore` in its `backup_dir` (checked with Keras
 # 3.8-3.15): `{"epoch": <epoch the fit resumes at>, "batch": ...}`.
@@ -186,7 +187,7 @@ class CallbackStateStore:
         `on_train_begin` ran before ours) and in its metadata file (when it runs after ours
         and would set it back).
         """
-        model._initial_epoch = epochs
+        keras_internals.set_initial_epoch(model, epochs)
         path = os.path.join(self.backup_dir, BACKUP_METADATA)
         if os.path.exists(path):
             with open(path) as f:
@@ -209,9 +210,8 @@ class CallbackStateStore:
             model.load_weights(path)
         except Exception as e:
             raise ValueError(f"{self.owner}: cannot load the weights file {path!r}: {e}") from e
-        # The attribute BackupAndRestore sets for the same purpose (Keras 3.8-3.15); `fit` reads
-        # it after `on_train_begin`. 0 means "the `initial_epoch` passed to fit".
-        model._initial_epoch = state["epoch"] + 1
+        # As BackupAndRestore does: fit continues after the state's epoch.
+        keras_internals.set_initial_epoch(model, state["epoch"] + 1)
 
     def _warn_stale(self, why: str) -> None:
         warn(

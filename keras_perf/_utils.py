@@ -14,6 +14,8 @@ from collections.abc import Iterator
 
 import keras
 
+from keras_perf.backend import keras_internals
+
 _LOCAL = threading.local()
 
 
@@ -69,7 +71,9 @@ def check_int(name: str, value, *, minimum: int | None = None, allow_none: bool 
     if value is None and allow_none:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"`{name}` must be an integer, got {value!r} of type {type(value).__name__}.")
+        raise TypeError(
+            f"`{name}` must be an integer, got {value!r} of type {type(value).__name__}."
+        )
     if minimum is not None and value < minimum:
         raise ValueError(f"`{name}` must be an integer >= {minimum}, got {value!r}.")
     return int(value)
@@ -134,11 +138,7 @@ def iter_layers(model: keras.layers.Layer) -> Iterator[keras.layers.Layer]:
 
 
 def _direct_sublayers(layer) -> list:
-    # Keras 3 tracks sub-layers of any layer in `_layers` (models and plain layers alike);
-    # `layers` is only public on models. Checked with Keras 3.8-3.13.
-    sub = getattr(layer, "_layers", None)
-    if sub is None:
-        sub = getattr(layer, "layers", [])
+    sub = keras_internals.direct_sublayers(layer)
     return [s for s in sub if isinstance(s, keras.layers.Layer)]
 
 

@@ -17,6 +17,7 @@ import numpy as np
 from keras import ops
 
 from keras_perf._utils import check_bool, check_int, check_number, in_training_step
+from keras_perf.backend import keras_internals
 from keras_perf.train_step import LossScaleTrainStep
 
 __all__ = ["DistillationModel", "precompute_teacher_logits"]
@@ -619,7 +620,9 @@ class DistillationModel(LossScaleTrainStep, keras.Model):
             if s_feats is not None and t_feats is not None:
                 terms.append(self._feature_term(s_feats, t_feats, batch))
         for extra in self.student.losses:
-            terms.append(ops.cast(self._aggregate_additional_loss(extra), "float32"))
+            terms.append(
+                ops.cast(keras_internals.aggregate_additional_loss(self, extra), "float32")
+            )
         if not terms:
             return ops.zeros((), "float32")
         total = terms[0]
@@ -638,7 +641,8 @@ class DistillationModel(LossScaleTrainStep, keras.Model):
                     "during training. Pass y, or use alpha=1.0 for label-free distillation."
                 )
             return []
-        student_loss = ops.cast(self._compile_loss(y_true, s_out, sample_weight), "float32")
+        compile_loss = keras_internals.compiled_loss(self)
+        student_loss = ops.cast(compile_loss(y_true, s_out, sample_weight), "float32")
         self.student_loss_tracker.update_state(student_loss, sample_weight=batch)
         if not distill:
             return [student_loss]

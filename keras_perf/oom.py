@@ -37,6 +37,7 @@ import numpy as np
 
 from keras_perf import backend as _backend
 from keras_perf._utils import check_int, first_tensor, map_batch
+from keras_perf.backend import keras_internals
 from keras_perf.train_step import LossScaleTrainStep, loss_scaled
 
 __all__ = ["fit_with_oom_retry", "find_max_microbatch"]
@@ -288,16 +289,13 @@ def _steps(x, batch_size, fit_kwargs):
 
 
 # -- recovery -----------------------------------------------------------------------------
-# The accumulation route below reads three private attributes of Keras optimizers:
-# `_iterations` (the raw batch counter behind `iterations`), `_learning_rate` (the schedule
-# or variable behind `learning_rate`) and `_accumulated_gradients`. Checked on Keras 3.8-3.15;
-# the tests on every backend fail if they change.
+# The accumulation route below reads three private attributes of Keras optimizers, through
+# keras_perf/backend/keras_internals.py: the raw batch counter behind `iterations`, the schedule
+# behind `learning_rate` and the gradient accumulators.
 def _plain_variables(optimizer) -> list:
     """The optimizer's variables other than its step counter and gradient accumulators."""
-    skip = {
-        id(a) for a in (getattr(optimizer, "_accumulated_gradients", None) or []) if a is not None
-    }
-    skip.add(id(optimizer._iterations))
+    skip = {id(a) for a in keras_internals.accumulated_gradients(optimizer)}
+    skip.add(id(keras_internals.optimizer_iterations(optimizer)))
     return [v for v in optimizer.variables if id(v) not in skip]
 
 
@@ -316,13 +314,14 @@ def _copy_optimizer_state(source, target) -> None:
         )
     for a, b in zip(src, dst):
         b.assign(a.value)
-    steps = int(keras.ops.convert_to_numpy(source._iterations)) // (
+    steps = int(keras.ops.convert_to_numpy(keras_internals.optimizer_iterations(source))) // (
         source.gradient_accumulation_steps or 1
     )
-    target._iterations.assign(steps * (target.gradient_accumulation_steps or 1))
-    for acc in getattr(target, "_accumulated_gradients", None) or []:
-        if acc is not None:
-            acc.assign(keras.ops.zeros(acc.shape, acc.dtype))
+    keras_internals.optimizer_iterations(target).assign(
+        steps * (target.gradient_accumulation_steps or 1)
+    )
+    for acc in keras_internals.accumulated_gradients(target):
+        acc.assign(keras.ops.zeros(acc.shape, acc.dtype))
 
 
 @keras.saving.register_keras_serializable(package="keras_perf")
@@ -409,9 +408,9 @@ class _Accumulation:
             config = dict(self.original.get_config(), gradient_accumulation_steps=k)
             with _backend.model_scope(self.model):
                 target = type(self.original).from_config(config)
-            schedule = self.original._learning_rate
+            schedule = keras_internals.learning_rate_source(self.original)
             if isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule):
-                target._learning_rate = PerUpdateSchedule(schedule, k)
+                keras_internals.set_learning_rate_source(target, PerUpdateSchedule(schedule, k))
             target._kp_copy = True
         if current.built and not target.built:
             # (Unbuilt when the OOM came before the first update: Keras builds it then.)

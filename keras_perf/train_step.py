@@ -1,194 +1,31 @@
 """The loss-scaling, micro-batching train step: mixin `LossScaleTrainStep` and `loss_scaled`.
 
-The mechanics (slicing, gradient accumulation, loss scaling, skipping non-finite steps,
-clipping) live here and in one small module per backend (`keras_perf/backend/train_step_*.py`,
-chosen once at import). The loss always comes from the model's `compute_loss`, so a subclass
-changes the loss, never the mechanics.
-
-Loss-scale state is Keras' own: under `mixed_float16` the optimizer is a
-`keras.optimizers.LossScaleOptimizer` (we wrap a plain optimizer at `compile` time), whose
-`dynamic_scale` and `step_counter` are optimizer variables. They are therefore saved with the
-model, restored by `BackupAndRestore` and snapshotted with the optimizer by
-`fit_with_oom_retry`.
+Layered as Keras layers `keras.Model` over its trainers: the backend-neutral mechanics
+(settings, slicing, exact per-slice loss, gradient processing, step metrics) live in
+`keras_perf/_train_step_base.py` (`TrainStepBase`, whose docstring is the hook contract); one
+small class per backend (`keras_perf/backend/train_step_*.py`) subclasses it with that
+backend's `train_step`, and `LossScaleTrainStep` subclasses the one chosen once, at import,
+for the current backend. The loss always comes from the model's `compute_loss`, so a
+subclass changes the loss, never the mechanics.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import math
-import threading
-import weakref
+import importlib
 
 import keras
-from keras import ops
 
 from keras_perf import backend as _backend
-from keras_perf._utils import (
-    check_int,
-    check_number,
-    in_training_step,
-    iter_layers,
-    metric_results_are_deferred,
-)
+from keras_perf._train_step_base import check_clipnorm, check_microbatches
+from keras_perf.backend import keras_internals
 
 __all__ = ["LossScaleTrainStep", "LossScaledModel", "loss_scaled"]
 
-_STEP_METRICS = ("grad_norm", "skipped_steps")
-_REDUCTIONS = ("sum", "sum_over_batch_size", "mean", "mean_with_sample_weight")
-# What the slice being traced needs to know about its whole batch (thread-local: the replicas
-# of a tf.distribute strategy trace in threads).
-_SLICE = threading.local()
-# Copies of the compiled losses with reduction "none", made once per loss object.
-_UNREDUCED = weakref.WeakKeyDictionary()
+# The backend's train step, chosen once (as keras/src/models/model.py picks its Trainer).
+TrainStep = importlib.import_module(f"keras_perf.backend.train_step_{_backend.BACKEND}").TrainStep
 
 
-def _check_microbatches(value) -> int:
-    return check_int("microbatches", value, minimum=1)
-
-
-def _check_clipnorm(value):
-    return check_number("clipnorm", value, low=0.0, low_inclusive=False, allow_none=True)
-
-
-def _resolve(path, structure):
-    for key in path:
-        structure = structure[key]
-    return structure
-
-
-def _term_sample_weight(path, sample_weight):
-    # How Keras' CompileLoss picks one loss term's sample weight (Keras 3.8-3.15).
-    if sample_weight is not None and keras.tree.is_nested(sample_weight):
-        return _resolve(path, sample_weight)
-    return sample_weight
-
-
-def _reduction(loss) -> str:
-    reduction = getattr(loss, "reduction", "sum_over_batch_size")
-    return "none" if reduction is None else reduction
-
-
-def _weight_sums(terms, sample_weight):
-    """Per compiled loss term, the sum of the whole batch's sample weights (for the terms
-    reduced with `mean_with_sample_weight`), else None."""
-    sums = []
-    for path, loss, _, _ in terms:
-        sw = None
-        if _reduction(loss) == "mean_with_sample_weight":
-            sw = _term_sample_weight(path, sample_weight)
-        sums.append(None if sw is None else ops.sum(ops.cast(sw, "float32")))
-    return sums
-
-
-class _Slice:
-    """The whole batch as one slice's loss sees it: sizes and per-term sample-weight sums."""
-
-    def __init__(self, model, batch, size, sample_weight):
-        self.model = model
-        self.batch = batch  # examples in the whole batch (int or scalar tensor)
-        self.size = size  # examples in this slice
-        self.sample_weight = sample_weight  # the whole batch's
-        self.terms = []  # the compiled loss terms (path, loss, weight, name)
-        self._sums = None
-
-    def weight_sum(self, index):
-        """Sum of the whole batch's sample weights of compiled loss term `index`."""
-        if self._sums is None:
-            self._sums = _weight_sums(self.terms, self.sample_weight)
-        return self._sums[index]
-
-    def share(self, dtype):
-        """This slice's share of the batch, n_i / B."""
-        return ops.cast(self.size, dtype) / ops.cast(self.batch, dtype)
-
-    def to_batch(self, dtype):
-        """B / n_i: turns a slice's contribution into a value that, tracked with weight n_i,
-        adds up over the slices to the full-batch value tracked with weight B."""
-        return ops.cast(self.batch, dtype) / ops.cast(self.size, dtype)
-
-
-class _ExactTerm:
-    """One compiled loss term of one slice, normalised by the WHOLE batch's normaliser.
-
-    Keras reduces a term to sum(w * values) / D with D = number of elements of `values`
-    (`sum_over_batch_size`, `mean`, and `mean_with_sample_weight` without sample weights), the
-    sum of the sample weights (`mean_with_sample_weight`), or 1 (`sum`). Each slice returns its
-    un-normalised sum over the full batch's D, so the slices' terms add up to the full-batch
-    term exactly, whatever the reductions, loss weights and sample weights.
-    """
-
-    def __init__(self, loss, index, ctx):
-        self.loss, self.index, self.ctx = loss, index, ctx
-
-    def _unreduced(self):
-        copy_ = _UNREDUCED.get(self.loss)
-        if copy_ is None:
-            copy_ = copy.copy(self.loss)  # a copy: the user's loss object is left as it is
-            copy_.reduction = "none"
-            _UNREDUCED[self.loss] = copy_
-        return copy_
-
-    def __call__(self, y_true, y_pred, sample_weight=None):
-        model, ctx = self.ctx.model, self.ctx
-        name = getattr(self.loss, "name", type(self.loss).__name__)
-        reduction = _reduction(self.loss)
-        if reduction not in _REDUCTIONS:
-            raise ValueError(
-                f"microbatches={model.microbatches} cannot train on loss '{name}' with "
-                f"reduction={reduction!r}: its per-example loss vector is not one number to "
-                "differentiate (Keras' JAX and PyTorch steps refuse it; TensorFlow sums it). "
-                "Use reduction='sum' for those gradients, or microbatches=1."
-            )
-        mask = model._kp_get_mask(y_pred)
-        if mask is not None and reduction != "sum":
-            raise ValueError(
-                f"microbatches={model.microbatches} cannot split loss '{name}' exactly: the "
-                f"output is masked and reduction={reduction!r} divides by the masked batch's "
-                "count of valid entries, which no slice knows. Use reduction='sum' (and scale "
-                "the learning rate), or microbatches=1."
-            )
-        values = self._unreduced()(y_true, y_pred, sample_weight)
-        shape = tuple(values.shape)
-        if len(shape) == 0:
-            raise ValueError(
-                f"microbatches={model.microbatches} cannot split loss '{name}' exactly: its "
-                "`call()` returns one number per batch, so how it normalises over the batch "
-                "is hidden. Return one value per example from `call()`, or use microbatches=1."
-            )
-        total = ops.sum(values)
-        if reduction == "sum":
-            return total
-        if reduction == "mean_with_sample_weight" and sample_weight is not None:
-            divisor = ctx.weight_sum(self.index)
-        else:
-            per_example = ops.prod(ops.convert_to_tensor(ops.shape(values)[1:], "int32"))
-            divisor = ops.cast(per_example, "float32") * ops.cast(ctx.batch, "float32")
-        term = ops.divide_no_nan(total, ops.cast(divisor, total.dtype))
-        return model._kp_scale_for_distribution(term)
-
-
-class _SliceMean:
-    """Stands in for a per-output loss tracker of Keras' CompileLoss during one slice.
-
-    Keras tracks each output's term with weight = batch size; a slice's term is its
-    contribution to the full-batch term, so it is tracked as contribution * B / n_i with
-    weight n_i: the slices add up to the full batch's (term * B, weight B).
-    """
-
-    def __init__(self, metric, ctx):
-        self.metric, self.ctx = metric, ctx
-
-    def update_state(self, values, sample_weight=None):
-        # Keras weighs by the static batch size, None (weight 1) where it is dynamic (TF
-        # graphs): then the full batch counts once, so each slice counts n_i / B.
-        weight = self.ctx.size if sample_weight is not None else self.ctx.share("float32")
-        return self.metric.update_state(
-            values * self.ctx.to_batch(values.dtype), sample_weight=weight
-        )
-
-
-class LossScaleTrainStep(_backend.TrainStepBase):
+class LossScaleTrainStep(TrainStep):
     """Mixin giving a `keras.Model` subclass keras-perf's train step.
 
     Subclass it before `keras.Model`: `class MyModel(kp.LossScaleTrainStep, keras.Model)`.
@@ -255,273 +92,6 @@ class LossScaleTrainStep(_backend.TrainStepBase):
         ['grad_norm', 'skipped_steps']
     """
 
-    # Read by kp.check_mixed_precision: this model scales its loss itself.
-    _keras_perf_scales_loss = True
-
-    #: How an overridden `compute_loss` normalises over the batch; `None` (unknown) makes
-    #: `microbatches > 1` refuse it. Set it to `"sum_over_batch_size"` on a subclass whose
-    #: `compute_loss` is a mean over the batch's examples plus batch-independent terms
-    #: (regularisation): each slice's loss is then weighted by its share of the batch.
-    compute_loss_reduction: str | None = None
-
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        mro = cls.__mro__
-        if keras.Model in mro and mro.index(keras.Model) < mro.index(LossScaleTrainStep):
-            raise TypeError(
-                f"{cls.__name__} lists keras.Model before kp.LossScaleTrainStep in its bases, "
-                "so Keras' own train step would run and loss scaling, micro-batching and "
-                f"clipping would silently be off. List the mixin first: `class {cls.__name__}"
-                "(kp.LossScaleTrainStep, keras.Model): ...`."
-            )
-
-    def __init__(
-        self,
-        *args,
-        microbatches: int = 1,
-        clipnorm: float | None = None,
-        initial_scale: float = 2.0**15,
-        dynamic_growth_steps: int = 2000,
-        **kwargs,
-    ):
-        self._microbatches = _check_microbatches(microbatches)
-        self._clipnorm = _check_clipnorm(clipnorm)
-        self.initial_scale = check_number(
-            "initial_scale", initial_scale, low=0.0, low_inclusive=False
-        )
-        self.dynamic_growth_steps = check_int(
-            "dynamic_growth_steps", dynamic_growth_steps, minimum=1
-        )
-        super().__init__(*args, **kwargs)
-        self.grad_norm_tracker = keras.metrics.Mean(name="grad_norm")
-        self.skipped_steps_tracker = keras.metrics.Sum(name="skipped_steps", dtype="int32")
-
-    # -- settings -----------------------------------------------------------------------
-    @property
-    def microbatches(self) -> int:
-        """Slices per batch; setting it rebuilds the compiled train function."""
-        return self._microbatches
-
-    @microbatches.setter
-    def microbatches(self, value: int) -> None:
-        value = _check_microbatches(value)
-        if value != self._microbatches:
-            self._microbatches = value
-            self.train_function = None  # Keras rebuilds it on the next fit.
-
-    @property
-    def clipnorm(self) -> float | None:
-        """Global-norm clip of the unscaled gradients; setting it rebuilds the train function."""
-        return self._clipnorm
-
-    @clipnorm.setter
-    def clipnorm(self, value) -> None:
-        value = _check_clipnorm(value)
-        if value != self._clipnorm:
-            self._clipnorm = value
-            self.train_function = None
-
-    # -- compile: wrap the optimizer for float16 -----------------------------------------
-    def compile(self, optimizer="rmsprop", *args, auto_scale_loss: bool = True, **kwargs):
-        super().compile(optimizer, *args, auto_scale_loss=False, **kwargs)
-        if (
-            auto_scale_loss
-            and self.optimizer is not None
-            and self._kp_uses_float16()
-            and not isinstance(self.optimizer, keras.optimizers.LossScaleOptimizer)
-        ):
-            self.optimizer = keras.optimizers.LossScaleOptimizer(
-                self.optimizer,
-                initial_scale=self.initial_scale,
-                dynamic_growth_steps=self.dynamic_growth_steps,
-                name="loss_scale_optimizer",
-            )
-
-    def compile_from_config(self, config):
-        # Keras skips compile-on-load for models that override compile(); ours only adds the
-        # optimizer wrapping, so loading compiles as Keras would (then restores the optimizer
-        # state, including the loss scale, into the re-wrapped optimizer).
-        self.compile(**keras.saving.deserialize_keras_object(config))
-        if self.optimizer is not None and self.built:
-            self.optimizer.build(self.trainable_variables)
-
-    def _kp_uses_float16(self) -> bool:
-        if self.dtype_policy.compute_dtype == "float16":
-            return True
-        return keras.mixed_precision.global_policy().compute_dtype == "float16"
-
-    # -- helpers used by the backend train steps ------------------------------------------
-    @property
-    def loss_scale_optimizer(self):
-        """The `LossScaleOptimizer` in use, or `None` when the loss is not scaled."""
-        opt = getattr(self, "optimizer", None)
-        return opt if isinstance(opt, keras.optimizers.LossScaleOptimizer) else None
-
-    def _kp_slice_size(self, batch_size):
-        """Slice length and slice count for a batch (Python ints or backend scalars)."""
-        k = self._microbatches
-        if isinstance(batch_size, int):
-            size = max(1, math.ceil(batch_size / k))
-            return size, math.ceil(batch_size / size)
-        size = ops.maximum((batch_size + k - 1) // k, 1)
-        return size, (batch_size + size - 1) // size
-
-    # -- exact micro-batched loss ---------------------------------------------------------
-    def _kp_check_microbatching(self, data):
-        """Refuse, before any update, what micro-batching cannot split exactly (at trace time)."""
-        for t in keras.tree.flatten(data):
-            if t is not None and len(t.shape) == 0:
-                raise ValueError(
-                    f"microbatches={self._microbatches} cuts each batch along its first axis, "
-                    "but the data holds a value with no axis (shape ()). Is the dataset batched? "
-                    "Call `dataset.batch(batch_size)` before fit()."
-                )
-        x = keras.utils.unpack_x_y_sample_weight(data)[0]
-        specs = getattr(self, "_inputs_struct", None)
-        if specs is not None:
-            flat_x, flat_specs = keras.tree.flatten(x), keras.tree.flatten(specs)
-            if len(flat_x) == len(flat_specs):
-                for t, spec in zip(flat_x, flat_specs):
-                    if t is not None and len(t.shape) == len(spec.shape) - 1:
-                        raise ValueError(
-                            f"microbatches={self._microbatches}: input '{spec.name}' expects "
-                            f"shape {tuple(spec.shape)} but the data has {tuple(t.shape)}, one "
-                            "axis short: is the dataset batched? Call `dataset.batch(batch_size)` "
-                            "before fit()."
-                        )
-        if type(self).compute_loss is not keras.Model.compute_loss:
-            if self.compute_loss_reduction is None:
-                raise ValueError(
-                    f"{type(self).__name__} overrides `compute_loss`, and microbatches="
-                    f"{self._microbatches} cannot see how it normalises over the batch, so it "
-                    "cannot combine the slices into the full-batch loss exactly. Set the class "
-                    'attribute `compute_loss_reduction = "sum_over_batch_size"` if it is a mean '
-                    "over the examples (plus regularisation), or use microbatches=1."
-                )
-            if self.compute_loss_reduction != "sum_over_batch_size":
-                raise ValueError(
-                    "`compute_loss_reduction` must be None or 'sum_over_batch_size'; got "
-                    f"{self.compute_loss_reduction!r}."
-                )
-
-    @contextlib.contextmanager
-    def _kp_slice(self, batch, size, sample_weight):
-        """While tracing one slice of a cut batch: `_compute_loss` returns the slice's exact
-        contribution to the full-batch loss. Yields the slice's `_Slice`."""
-        previous = getattr(_SLICE, "ctx", None)
-        _SLICE.ctx = _Slice(self, batch, size, sample_weight)
-        try:
-            yield _SLICE.ctx
-        finally:
-            _SLICE.ctx = previous
-
-    def _kp_track_loss(self, loss, ctx):
-        """Track a slice's loss so that the slices add up to the full batch's entry."""
-        self._loss_tracker.update_state(loss * ctx.to_batch(loss.dtype), sample_weight=ctx.size)
-
-    def _kp_check_added_losses(self):
-        for layer in [self, *iter_layers(self)]:
-            added = getattr(layer, "_losses", None) or getattr(layer, "_loss_ids", None)
-            if added and getattr(layer, "activity_regularizer", None) is None:
-                raise ValueError(
-                    f"Layer '{layer.name}' adds a loss with `add_loss()` in `call()`; "
-                    f"microbatches={self._microbatches} cannot tell whether it is a mean or a "
-                    "sum over the batch, so it cannot count it exactly once. Move it into "
-                    "`compute_loss` (and set `compute_loss_reduction`), or use microbatches=1. "
-                    "(Weight and activity regularisers are fine: Keras makes them batch means.)"
-                )
-
-    def _compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
-        # Keras' train steps (and ours) compute the loss through this wrapper of compute_loss.
-        ctx = getattr(_SLICE, "ctx", None)
-        if ctx is None or ctx.model is not self:
-            return super()._compute_loss(
-                x, y, y_pred, sample_weight=sample_weight, training=training
-            )
-        if type(self).compute_loss is not keras.Model.compute_loss:
-            # Declared a mean over the batch (checked in _kp_check_microbatching).
-            loss = super()._compute_loss(
-                x, y, y_pred, sample_weight=sample_weight, training=training
-            )
-            return loss * ctx.share(loss.dtype)
-        # Keras' default compute_loss, term by term exact: each compiled term over the whole
-        # batch's normaliser, the regularisation losses by this slice's share (once per batch).
-        self._kp_check_added_losses()
-        losses = []
-        compile_loss = self._compile_loss
-        if compile_loss is not None:
-            self._kp_build_compile_loss(y, y_pred, sample_weight)
-            flat, metrics = compile_loss._flat_losses, compile_loss._metrics
-            ctx.terms = flat
-            compile_loss._flat_losses = [
-                (path, _ExactTerm(loss, j, ctx), weight, name)
-                for j, (path, loss, weight, name) in enumerate(flat)
-            ]
-            compile_loss._metrics = [_SliceMean(m, ctx) for m in metrics]
-            try:
-                loss = compile_loss(y, y_pred, sample_weight)
-            finally:
-                compile_loss._flat_losses, compile_loss._metrics = flat, metrics
-            if loss is not None:
-                losses.append(loss)
-        extra = [self._aggregate_additional_loss(loss) for loss in self.losses]
-        if extra:
-            reg = extra[0] if len(extra) == 1 else ops.sum(extra)
-            losses.append(reg * ctx.share(reg.dtype))
-        if not losses:
-            if keras.backend.backend() == "jax":
-                return ops.zeros(())
-            raise ValueError("No loss to compute. Provide a `loss` argument in `compile()`.")
-        return losses[0] if len(losses) == 1 else ops.sum(losses)
-
-    def _kp_process_gradients(self, grads, scale):
-        """Norm of the unscaled gradients, finiteness, and the (clipped) gradients to apply.
-
-        `grads` are the accumulated, still scaled gradients (None where a variable is not
-        connected); `scale` is the loss scale or None. Clipping multiplies the scaled
-        gradients, so a `LossScaleOptimizer` unscales them exactly as before.
-        """
-        present = [g for g in grads if g is not None]
-        if not present:
-            zero = ops.zeros((), "float32")
-            return grads, ops.ones((), "bool"), zero
-        # One pass over the gradients (the backend's cheapest sum of squares), which also
-        # tells whether they are all finite (see `_utils.all_finite`).
-        sum_sq = self._kp_sum_of_squares(present)
-        finite = self._kp_all_finite(sum_sq, present)
-        norm = ops.sqrt(sum_sq)
-        if scale is not None:
-            norm = norm / ops.cast(scale, "float32")
-        if self._clipnorm is not None:
-            clip = ops.cast(self._clipnorm, "float32")
-            factor = clip / ops.maximum(norm, clip)
-            grads = [None if g is None else g * ops.cast(factor, g.dtype) for g in grads]
-        return grads, finite, norm
-
-    def get_metrics_result(self):
-        # grad_norm and skipped_steps belong to training: keep them out of evaluate()'s logs
-        # (and so out of the val_* keys). The flag is read while the step is traced.
-        if metric_results_are_deferred():
-            return {}
-        results = super().get_metrics_result()
-        if not in_training_step():
-            for name in _STEP_METRICS:
-                results.pop(name, None)
-        return results
-
-    # -- serialisation --------------------------------------------------------------------
-    def get_config(self):
-        config = super().get_config()
-        config.update(
-            {
-                "microbatches": self._microbatches,
-                "clipnorm": self._clipnorm,
-                "initial_scale": self.initial_scale,
-                "dynamic_growth_steps": self.dynamic_growth_steps,
-            }
-        )
-        return config
-
 
 @keras.saving.register_keras_serializable(package="keras_perf")
 class LossScaledModel(LossScaleTrainStep, keras.Model):
@@ -585,8 +155,8 @@ def loss_scaled(
         # Validate everything first, then apply (no half-updated model on error).
         microbatches = model.microbatches if microbatches is None else microbatches
         clipnorm = model.clipnorm if isinstance(clipnorm, str) and clipnorm == _KEEP else clipnorm
-        _check_microbatches(microbatches)
-        _check_clipnorm(clipnorm)
+        check_microbatches(microbatches)
+        check_clipnorm(clipnorm)
         model.microbatches, model.clipnorm = microbatches, clipnorm
         return model
     microbatches = 1 if microbatches is None else microbatches
@@ -602,7 +172,7 @@ def loss_scaled(
         inputs, outputs = model.inputs, model.outputs
     except (AttributeError, ValueError):
         inputs = outputs = None
-    if not inputs or not outputs:
+    if not inputs or not outputs:  # the flat lists (a structure may be a single tensor)
         raise ValueError(
             f"Model '{model.name}' has no inputs yet: give the Sequential model an input shape "
             "(`keras.Input(shape)` as first layer) or call it on data before kp.loss_scaled()."
@@ -610,8 +180,8 @@ def loss_scaled(
     if _backend.is_functional(model):
         # The nested structures (dict, list, nesting), not the flat lists: a dict-output
         # model keeps its output names, so its dict losses, loss_weights and data still fit.
-        inputs = getattr(model, "_inputs_struct", inputs)
-        outputs = getattr(model, "_outputs_struct", outputs)
+        inputs = keras_internals.input_structure(model, inputs)
+        outputs = keras_internals.output_structure(model, outputs)
     # Under the strategy `model` was made in (TF), so that the twin trains on its replicas too.
     with _backend.model_scope(model):
         new = LossScaledModel(

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import keras_perf as kp
-from keras_perf import stopping
+from keras_perf import time_limit
 
 BACKEND = keras.backend.backend()
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -326,7 +326,7 @@ class Clock:
 
 def test_time_limit_stops_when_the_next_epoch_would_overrun(monkeypatch):
     clock = Clock()
-    monkeypatch.setattr(stopping, "_now", clock)
+    monkeypatch.setattr(time_limit, "_now", clock)
     tl = kp.TimeLimit(44.0, restore_best_weights=True)
     model = FakeModel()
     tl.set_model(model)
@@ -349,7 +349,7 @@ def test_time_limit_stops_when_the_next_epoch_would_overrun(monkeypatch):
 
 def test_time_limit_batch_granularity(monkeypatch):
     clock = Clock()
-    monkeypatch.setattr(stopping, "_now", clock)
+    monkeypatch.setattr(time_limit, "_now", clock)
     tl = kp.TimeLimit(25.0, granularity="batch")
     model = FakeModel()
     tl.set_model(model)
@@ -375,7 +375,7 @@ def test_time_limit_batch_granularity(monkeypatch):
 
 def test_time_limit_state_carries_the_elapsed_time(monkeypatch):
     clock = Clock()
-    monkeypatch.setattr(stopping, "_now", clock)
+    monkeypatch.setattr(time_limit, "_now", clock)
     tl = kp.TimeLimit(100.0)
     tl.set_model(FakeModel())
     tl.on_train_begin()

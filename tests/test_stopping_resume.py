@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import keras_perf as kp
-from keras_perf import _state, stopping
+from keras_perf import _state, time_limit
 
 SCRIPT = [5.0, 4.0, 3.0, 3.5, 2.9, 3.1, 3.2, 3.3, 3.4, 3.5]  # best at 4; patience 2 -> stop at 6
 X = np.random.default_rng(0).normal(size=(16, 4)).astype("float32")
@@ -124,7 +124,7 @@ class Tick(keras.callbacks.Callback):
 @pytest.mark.parametrize("at", [0, 2, 4])
 def test_time_limit_kill_and_resume(monkeypatch, tmp_path, order, where, at):
     clock = [1000.0]
-    monkeypatch.setattr(stopping, "_now", lambda: clock[0])
+    monkeypatch.setattr(time_limit, "_now", lambda: clock[0])
     backup = str(tmp_path / "b")
 
     def run(kill=None):

@@ -140,6 +140,23 @@ def test_microbatches_cut_activation_memory():
         assert res["per_example_k4"] == res["per_example_k1"] / 4
 
 
+def test_loss_scaled_single_output_functional_model():
+    # Regression: a Functional model built as keras.Model(input, output) (a tensor, not a
+    # list) made kp.loss_scaled test a KerasTensor's truth value and raise TypeError.
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((6,))
+    base = keras.Model(inp, keras.layers.Dense(3)(keras.layers.Dense(8, activation="tanh")(inp)))
+    x, y = _data()
+    ref = keras.models.clone_model(base)
+    ref.set_weights(base.get_weights())
+    model = kp.loss_scaled(base, microbatches=2)
+    for m in (ref, model):
+        m.compile("sgd", SCE)
+        m.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    for a, b in zip(ref.get_weights(), model.get_weights()):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
 def test_layers_and_weights_are_shared_not_copied():
     base = _mlp()
     model = kp.loss_scaled(base)

@@ -25,8 +25,9 @@ Interface (every implementation module provides these names):
 - ``model_scope(model)`` (optional; TensorFlow only): the scope of the tf.distribute strategy
   `model` was created under, in which a model sharing its layers must be created.
 
-Beside each, ``train_step_<backend>.py`` holds that backend's ``TrainStep`` mixin, exported
-here as ``TrainStepBase``.
+Beside each, ``train_step_<backend>.py`` holds that backend's ``TrainStep`` (a subclass of
+``keras_perf._train_step_base.TrainStepBase``), which ``keras_perf/train_step.py`` picks once
+at import; ``keras_internals.py`` is the one module that touches private Keras attributes.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ import resource
 import sys
 
 import keras
+
+from keras_perf.backend import keras_internals
 
 BACKEND: str = keras.backend.backend()
 
@@ -57,9 +60,6 @@ list_devices = _impl.list_devices
 configure_devices = _impl.configure_devices
 carry_in_step_state = getattr(_impl, "carry_in_step_state", lambda model, variables: True)
 release_step_state = getattr(_impl, "release_step_state", lambda model, variables: None)
-_step = importlib.import_module(f"{__name__}.train_step_{_MODULES[BACKEND]}")
-#: Base class of `kp.LossScaleTrainStep`: the train step for this backend.
-TrainStepBase = _step.TrainStep
 
 
 def any_worker(flag: bool, model=None) -> bool:
@@ -151,7 +151,7 @@ def examples_seen(model) -> int | None:
         The count as an int, or None when the model has no such tracker or it counted nothing
         (a custom `train_step` that does not update it).
     """
-    tracker = getattr(model, "_loss_tracker", None)
+    tracker = keras_internals.loss_tracker(model)
     count = getattr(tracker, "count", None)
     if count is None:
         return None
@@ -177,6 +177,7 @@ def is_functional(model) -> bool:
     return isinstance(model, Functional) or (
         isinstance(model, keras.Sequential) and bool(getattr(model, "inputs", None))
     )
+
 
 #: Whether a compiled train step reads a variable that is not part of the model's or the
 #: optimizer's state when it runs (TensorFlow graphs, eager torch), or bakes its value in when

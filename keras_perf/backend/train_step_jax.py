@@ -1,4 +1,5 @@
-"""JAX train step of `kp.LossScaleTrainStep` (see keras_perf/train_step.py).
+"""JAX train step of `kp.LossScaleTrainStep` (hook contract: `TrainStepBase` in
+keras_perf/_train_step_base.py).
 
 Stateless, like Keras' own: `train_step(state, data) -> (logs, state)`. Shapes are static in
 JAX, so the slicing is decided in Python: equal slices run under `jax.lax.scan` (one slice's
@@ -22,21 +23,12 @@ import jax
 import keras
 from keras import ops
 
-# Private imports: Keras' scope for running stateful Keras code on explicit state values (what
-# Keras' own JAX trainer uses) and its reader of the masks kept beside arrays; checked on
-# Keras 3.8-3.15.
+# Private import: Keras' scope for running stateful Keras code on explicit state values (what
+# Keras' own JAX trainer uses); checked on Keras 3.8-3.15.
 from keras.src.backend import StatelessScope
-from keras.src.backend.common.masking import get_keras_mask
 
-from keras_perf._utils import (
-    all_finite,
-    first_tensor,
-    map_batch,
-    metric_results_deferred,
-    sum_of_squares,
-    training_step,
-    update_step_metrics,
-)
+from keras_perf._train_step_base import TrainStepBase
+from keras_perf._utils import first_tensor, map_batch, metric_results_deferred, training_step
 
 
 def _index(variables, target):
@@ -46,20 +38,8 @@ def _index(variables, target):
     raise ValueError(f"variable {target.path} not found")
 
 
-class TrainStep:
-    """JAX `train_step(state, data)`; mixed into `kp.LossScaleTrainStep`."""
-
-    _kp_sum_of_squares = staticmethod(sum_of_squares)
-    _kp_all_finite = staticmethod(all_finite)
-    _kp_update_step_metrics = update_step_metrics
-    _kp_get_mask = staticmethod(get_keras_mask)
-
-    @staticmethod
-    def _kp_scale_for_distribution(loss):
-        return loss  # tf.distribute only
-
-    def _kp_build_compile_loss(self, y, y_pred, sample_weight):
-        pass  # Keras builds it symbolically before the first step on JAX
+class TrainStep(TrainStepBase):
+    """JAX `train_step(state, data)`; the base of `kp.LossScaleTrainStep` on JAX."""
 
     def train_step(self, state, data):
         with training_step():
@@ -86,12 +66,7 @@ class TrainStep:
         with StatelessScope(state_mapping=mapping) as scope, metric_results_deferred():
             # Keras' _update_metrics_variables, with the slice's loss tracked so that the
             # slices add up to the whole batch's entry; results read once, at the end.
-            if ctx is None:
-                self._loss_tracker.update_state(
-                    unscaled_loss, sample_weight=first_tensor(x).shape[0]
-                )
-            else:
-                self._kp_track_loss(unscaled_loss, ctx)
+            self._kp_track_loss(unscaled_loss, ctx, first_tensor(x).shape[0])
             self.compute_metrics(x, y, y_pred, sw)
         metrics_vars = [
             scope.get_current_value(v) if scope.get_current_value(v) is not None else value

@@ -1,4 +1,5 @@
-"""TensorFlow train step of `kp.LossScaleTrainStep` (see keras_perf/train_step.py).
+"""TensorFlow train step of `kp.LossScaleTrainStep` (hook contract: `TrainStepBase` in
+keras_perf/_train_step_base.py).
 
 Micro-batching runs as a `tf.while_loop` inside the compiled step: batch sizes are dynamic in
 TensorFlow graphs, and the loop keeps one slice's activations alive at a time. The first slice
@@ -15,27 +16,15 @@ import tensorflow as tf
 from keras import ops
 
 # Private imports: Keras divides the loss by the replica count under tf.distribute and tracks
-# the undivided value (its helpers for both), and keeps masks beside tensors (its reader);
-# checked on Keras 3.8-3.15.
+# the undivided value (its helpers for both), and builds layers symbolically with
+# compute_output_spec; checked on Keras 3.8-3.15.
 from keras.src.backend import compute_output_spec
-from keras.src.backend.common.masking import get_keras_mask
 from keras.src.losses.loss import scale_loss_for_distribution, unscale_loss_for_distribution
 
-from keras_perf._utils import (
-    all_finite,
-    first_tensor,
-    map_batch,
-    metric_results_deferred,
-    training_step,
-    update_step_metrics,
-)
-
-
-def _multi_worker(strategy) -> bool:
-    extended = getattr(strategy, "extended", None)
-    return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy) and bool(
-        getattr(extended, "_in_multi_worker_mode", lambda: False)()
-    )
+from keras_perf._train_step_base import TrainStepBase
+from keras_perf._utils import first_tensor, map_batch, metric_results_deferred, training_step
+from keras_perf.backend import keras_internals
+from keras_perf.backend.tensorflow import is_multi_worker
 
 
 def _all_reduce(grads):
@@ -94,12 +83,9 @@ def _coalesce(grads):
     return out, sparse
 
 
-class TrainStep:
-    """TensorFlow `train_step(data)`; mixed into `kp.LossScaleTrainStep`."""
+class TrainStep(TrainStepBase):
+    """TensorFlow `train_step(data)`; the base of `kp.LossScaleTrainStep` on TensorFlow."""
 
-    _kp_all_finite = staticmethod(all_finite)
-    _kp_update_step_metrics = update_step_metrics
-    _kp_get_mask = staticmethod(get_keras_mask)
     _kp_scale_for_distribution = staticmethod(scale_loss_for_distribution)
 
     @staticmethod
@@ -132,7 +118,7 @@ class TrainStep:
         # Without a tf.distribute strategy Keras builds the compiled loss on its first call,
         # inside the traced step; build it symbolically (no graph ops, no metric updates) so
         # that its terms can be read before the first slice's loss is computed.
-        compile_loss = self._compile_loss
+        compile_loss = keras_internals.compiled_loss(self)
         if compile_loss.built:
             return
 
@@ -145,18 +131,13 @@ class TrainStep:
         """Forward one slice; returns (scaled loss, y_pred) and updates the loss tracker.
 
         With `ctx` (a cut batch), the loss is the slice's exact share of the full-batch loss
-        (see `LossScaleTrainStep._compute_loss`); without, the stock loss of the whole batch.
+        (see `TrainStepBase._compute_loss`); without, the stock loss of the whole batch.
         """
         y_pred = self(x, training=True) if self._call_has_training_arg else self(x)
         loss = self._compute_loss(
             x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
         )
-        if ctx is None:
-            self._loss_tracker.update_state(
-                unscale_loss_for_distribution(loss), sample_weight=tf.shape(first_tensor(x))[0]
-            )
-        else:
-            self._kp_track_loss(unscale_loss_for_distribution(loss), ctx)
+        self._kp_track_loss(unscale_loss_for_distribution(loss), ctx, tf.shape(first_tensor(x))[0])
         scaled = self.optimizer.scale_loss(loss) if self.optimizer is not None else loss
         return scaled, y_pred
 
@@ -288,7 +269,7 @@ class TrainStep:
         logs = self.get_metrics_result()
         if self.loss_scale_optimizer is not None:
             logs["loss_scale"] = tf.identity(self.loss_scale_optimizer.dynamic_scale)
-        if _multi_worker(self.distribute_strategy):
+        if is_multi_worker(self):
             # Keras reduces each log with strategy.reduce("MEAN", v, axis=0) under
             # MultiWorkerMirroredStrategy, which needs a leading axis: give each value one.
             logs = {k: tf.reshape(v, [1]) for k, v in logs.items()}

@@ -1,4 +1,5 @@
-"""PyTorch train step of `kp.LossScaleTrainStep` (see keras_perf/train_step.py).
+"""PyTorch train step of `kp.LossScaleTrainStep` (hook contract: `TrainStepBase` in
+keras_perf/_train_step_base.py).
 
 PyTorch runs eagerly, so slices are a Python loop and `backward()` accumulates each slice's
 gradient into `.grad`, as gradient accumulation is written by hand in PyTorch.
@@ -12,23 +13,12 @@ import warnings
 import keras
 import torch
 
-# Private import: Keras' reader of the masks kept beside tensors (checked on Keras 3.8-3.15).
-from keras.src.backend.common.masking import get_keras_mask
-
+from keras_perf._train_step_base import TrainStepBase
 from keras_perf._utils import first_tensor, map_batch, metric_results_deferred, training_step
 
 
-class TrainStep:
-    """PyTorch `train_step(data)`; mixed into `kp.LossScaleTrainStep`."""
-
-    _kp_get_mask = staticmethod(get_keras_mask)
-
-    @staticmethod
-    def _kp_scale_for_distribution(loss):
-        return loss  # tf.distribute only
-
-    def _kp_build_compile_loss(self, y, y_pred, sample_weight):
-        pass  # Keras builds it symbolically before the first step on PyTorch
+class TrainStep(TrainStepBase):
+    """PyTorch `train_step(data)`; the base of `kp.LossScaleTrainStep` on PyTorch."""
 
     @staticmethod
     def _kp_sum_of_squares(tensors):
@@ -87,11 +77,8 @@ class TrainStep:
                 loss = self._compute_loss(
                     x=xs, y=ys, y_pred=y_pred, sample_weight=sws, training=True
                 )
-                if sl is None:
-                    self._loss_tracker.update_state(loss, sample_weight=batch)
-                else:
-                    # The loss is this slice's exact share of the full-batch loss.
-                    self._kp_track_loss(loss, sl)
+                # With a slice, the loss is its exact share of the full-batch loss.
+                self._kp_track_loss(loss, sl, batch)
             scaled = self.optimizer.scale_loss(loss) if self.optimizer is not None else loss
             if variables:
                 scaled.backward()

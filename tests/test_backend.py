@@ -93,7 +93,9 @@ def test_clear_memory_runs():
     backend.clear_memory()
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/clear_refs is Linux-only")
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="/proc/self/clear_refs is Linux-only"
+)
 def test_reset_host_peak_memory_lowers_the_peak():
     big = np.ones(40_000_000)  # 320 MB resident
     big[::512] = 2.0

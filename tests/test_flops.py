@@ -24,8 +24,12 @@ def test_dense_on_a_sequence_counts_every_position_and_embeddings_are_free():
 
 def test_conv_counts_output_positions():
     model = keras.Sequential(
-        [keras.Input((8, 8, 3)), keras.layers.Conv2D(4, 3, padding="valid"),
-         keras.layers.Flatten(), keras.layers.Dense(2)]
+        [
+            keras.Input((8, 8, 3)),
+            keras.layers.Conv2D(4, 3, padding="valid"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(2),
+        ]
     )
     conv = 2 * (3 * 3 * 3 * 4) * (6 * 6)
     dense = 2 * (6 * 6 * 4) * 2

@@ -23,7 +23,13 @@ def test_explicit_policy_is_set(name):
         ([{"kind": "GPU", "compute_capability": (8, 0)}], "mixed_float16"),
         ([{"kind": "GPU", "compute_capability": (7, 0)}], "mixed_float16"),
         ([{"kind": "GPU", "compute_capability": (6, 1)}], "float32"),
-        ([{"kind": "GPU", "compute_capability": (9, 0)}, {"kind": "GPU", "compute_capability": (6, 0)}], "float32"),
+        (
+            [
+                {"kind": "GPU", "compute_capability": (9, 0)},
+                {"kind": "GPU", "compute_capability": (6, 0)},
+            ],
+            "float32",
+        ),
         ([{"kind": "CPU"}, {"kind": "TPU"}], "mixed_bfloat16"),
     ],
 )
@@ -60,7 +66,9 @@ def test_float32_softmax_output_passes():
 
 def test_sequential_output_checked_too():
     keras.mixed_precision.set_global_policy("mixed_bfloat16")
-    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2, activation="sigmoid", name="out")])
+    model = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Dense(2, activation="sigmoid", name="out")]
+    )
     findings = kp.check_mixed_precision(model)
     assert len(findings) == 1 and "'out'" in findings[0] and "bfloat16" in findings[0]
 

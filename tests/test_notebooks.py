@@ -23,7 +23,11 @@ def test_there_are_notebooks():
 def test_notebook_is_committed_without_outputs(path):
     nbformat = pytest.importorskip("nbformat")
     nb = nbformat.read(path, as_version=4)
-    dirty = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and (c.outputs or c.execution_count)]
+    dirty = [
+        i
+        for i, c in enumerate(nb.cells)
+        if c.cell_type == "code" and (c.outputs or c.execution_count)
+    ]
     assert dirty == [], f"{path.name}: clear the outputs of cells {dirty} before committing"
 
 
@@ -41,5 +45,7 @@ def test_notebook_executes(path, monkeypatch):
         nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}
     )
     client.execute()  # raises CellExecutionError, with the cell and traceback, on failure
-    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
+    errors = [
+        o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"
+    ]
     assert errors == []

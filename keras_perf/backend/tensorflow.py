@@ -32,7 +32,11 @@ def memory_stats():
         info = tf.config.experimental.get_memory_info("GPU:0")
     except (ValueError, RuntimeError):
         return None
-    return {"current_bytes": int(info["current"]), "peak_bytes": int(info["peak"]), "device": "GPU:0"}
+    return {
+        "current_bytes": int(info["current"]),
+        "peak_bytes": int(info["peak"]),
+        "device": "GPU:0",
+    }
 
 
 def reset_peak_memory() -> bool:

@@ -6,7 +6,9 @@ import torch
 
 
 def is_oom_error(exc: BaseException) -> bool:
-    oom_type = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", None)
+    oom_type = getattr(torch, "OutOfMemoryError", None) or getattr(
+        torch.cuda, "OutOfMemoryError", None
+    )
     if oom_type is not None and isinstance(exc, oom_type):
         return True
     # Older releases and non-CUDA allocators raise a plain RuntimeError.
@@ -14,8 +16,14 @@ def is_oom_error(exc: BaseException) -> bool:
 
 
 def oom_error(message: str) -> BaseException:
-    oom_type = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", None)
-    return oom_type(f"CUDA out of memory. {message}") if oom_type else RuntimeError(f"out of memory: {message}")
+    oom_type = getattr(torch, "OutOfMemoryError", None) or getattr(
+        torch.cuda, "OutOfMemoryError", None
+    )
+    return (
+        oom_type(f"CUDA out of memory. {message}")
+        if oom_type
+        else RuntimeError(f"out of memory: {message}")
+    )
 
 
 def memory_stats():

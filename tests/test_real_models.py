@@ -26,46 +26,7 @@ SLOW_CASES = {("tflite", "efficientnet_b0"), ("pruning", "efficientnet_b0")}
 # (piece, architecture) -> (backends where it breaks, the known break). Remove a line when
 # its break is fixed: the strict xfail fails as soon as the case passes.
 ALL = ("tensorflow", "jax", "torch")
-EMBEDDING_MB = (
-    ("tensorflow",),
-    "Embedding under microbatches>1 on TF: TypeError: unsupported operand type(s) for +: "
-    "'IndexedSlices' and 'IndexedSlices' (slice gradients are summed with +)",
-)
-DICT_IO = (ALL, "dict inputs/outputs in kp.loss_scaled: KeyError: 0")
-KNOWN = {
-    ("loss_scaled_mb2", "transformer"): EMBEDDING_MB,
-    ("loss_scaled_mb2", "bilstm"): EMBEDDING_MB,
-    ("microbatches_match", "transformer"): EMBEDDING_MB,
-    ("microbatches_match", "bilstm"): EMBEDDING_MB,
-    # The retry's twin runs 2 micro-batches.
-    ("oom_retry", "transformer"): EMBEDDING_MB,
-    ("oom_retry", "bilstm"): EMBEDDING_MB,
-    ("loss_scaled_mb1", "dict_io"): DICT_IO,
-    ("loss_scaled_mb2", "dict_io"): DICT_IO,
-    ("microbatches_match", "dict_io"): DICT_IO,
-    ("oom_retry", "dict_io"): (ALL, "dict inputs/outputs in the OOM retry's twin: KeyError: 0"),
-    ("distillation", "dict_io"): (
-        ALL,
-        "DistillationModel with a dict-output student (TF: TypeError: Expected any non-tensor "
-        "type; JAX/torch: AttributeError)",
-    ),
-    ("pruning", "subclassed"): (
-        ("tensorflow",),
-        "subclassed unbuilt model with PruningCallback: ValueError: Model 'subclassed_mlp' is "
-        "not built",
-    ),
-    ("tflite", "bilstm"): (
-        ("tensorflow",),
-        "LSTM TFLite export fails in the converter: 'tf.TensorListReserve' op requires "
-        "element_shape to be static",
-    ),
-    ("tflite", "dict_io"): (
-        ("tensorflow",),
-        "tflite_predict input order on multi-input models: the file's order (meta, image), "
-        "not the model's: RuntimeError: XNNPack delegate failed to reshape (the outputs also "
-        "come in the file's order, score before label)",
-    ),
-}
+KNOWN = {}  # every break found in this tier is fixed (2026-11); add new ones here
 
 
 def cases(piece, archs=None, microbatches=None):
@@ -266,6 +227,12 @@ def test_distillation_student(arch):
     student = build(arch)
     teacher = tiny_teacher(arch)
     teacher_before = weights(teacher)
+    if arch.dict_io:
+        # Regression: accepted, then a tensor TypeError deep in fit. One output is distilled;
+        # a dict-output student is refused at construction, saying what to do instead.
+        with pytest.raises(ValueError, match="distils one output"):
+            kp.DistillationModel(student, teacher, alpha=0.5)
+        return
     distiller = kp.DistillationModel(student, teacher, alpha=0.5, from_logits=not arch.softmax)
     loss = arch.loss()
     distiller.compile(
@@ -364,6 +331,14 @@ def test_export_tflite_matches_predict(arch, tmp_path):
     x, _, _ = make_data(arch, 4)
     model = ensure_built(arch, build(arch), x)
     path = tmp_path / "m.tflite"
+    if arch.name == "bilstm":
+        # Regression: the converter failed 16 frames deep. The LSTM needs TF ops TFLite lacks:
+        # a clear error names the option, which writes the file (run it with the Flex delegate).
+        with pytest.raises(ValueError, match="allow_select_tf_ops"):
+            kp.export_tflite(model, path)
+        report = kp.export_tflite(model, path, allow_select_tf_ops=True)
+        assert report["select_tf_ops"] and path.stat().st_size > 0
+        return
     kp.export_tflite(model, path)
     if arch.dict_io:
         # What users pass for a multi-input model: a list in the model's input order.

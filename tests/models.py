@@ -144,6 +144,7 @@ ARCHS = {
             batchnorm=True,
             dropout=True,
             softmax=True,
+            slow=True,  # its XLA/graph builds take the longest: out of the default tier
         ),
         Arch(
             "transformer",

@@ -1,7 +1,7 @@
 """Every keras-perf piece on the architectures users write, one or two steps each.
 
-The architectures (`tests/models.py`): keras.applications MobileNetV2, ResNet50 (slow) and
-EfficientNetB0 at 32x32, a Transformer encoder, a BiLSTM, a dict-in/dict-out Functional model
+The architectures (`tests/models.py`): keras.applications MobileNetV2, ResNet50 and
+EfficientNetB0 (both `slow`) at 32x32, a Transformer encoder, a BiLSTM, a dict-in/dict-out Functional model
 trained with `loss_weights` and `sample_weight`, and a subclassed model compiled and fitted
 without being built first. Each test is one piece on one architecture, on the backend of the
 run. Breaks known and being fixed are `xfail(strict=True)` with the break in the reason, so a
@@ -20,8 +20,9 @@ from tests.models import ARCHS, IMAGE_SHAPE, SEQ_LEN, VOCAB, compile_model, make
 
 BACKEND = keras.backend.backend()
 SLOW = pytest.mark.slow
-# The heaviest (piece, architecture) cases beyond the slow architectures (ResNet50).
-SLOW_CASES = {("tflite", "efficientnet_b0"), ("pruning", "efficientnet_b0")}
+# The heaviest (piece, architecture) cases beyond the slow architectures (ResNet50,
+# EfficientNetB0). None at present.
+SLOW_CASES = set()
 
 # (piece, architecture) -> (backends where it breaks, the known break). Remove a line when
 # its break is fixed: the strict xfail fails as soon as the case passes.

@@ -17,6 +17,9 @@ from conftest import BACKEND
 import keras_perf as kp
 from keras_perf import cli
 
+# The slow tier (each case times real fits for seconds): `.ci/run` runs it on every backend.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_torch_thread():

@@ -18,6 +18,9 @@ import pytest
 import keras_perf as kp
 from tests.models import ARCHS, IMAGE_SHAPE, SEQ_LEN, VOCAB, compile_model, make_data
 
+# The slow tier (every piece on real architectures, minutes per backend): `.ci/run` runs it on every backend.
+pytestmark = pytest.mark.slow
+
 BACKEND = keras.backend.backend()
 SLOW = pytest.mark.slow
 # The heaviest (piece, architecture) cases beyond the slow architectures (ResNet50,

@@ -88,6 +88,7 @@ def uninterrupted(tmp_path_factory):
     return len(hist.history["loss"]), es.best, model.get_weights()
 
 
+@pytest.mark.slow  # a kill at every point, both orders: the slow tier
 @pytest.mark.parametrize("order", ["BE", "EB"])
 @pytest.mark.parametrize("where", [0, 1, 2], ids=["before-both", "between", "after-both"])
 @pytest.mark.parametrize("at", [0, 1, 3, 4, 5, 6])
@@ -119,6 +120,7 @@ class Tick(keras.callbacks.Callback):
         self.clock[0] += 10.0
 
 
+@pytest.mark.slow  # a kill at every point, both orders: the slow tier
 @pytest.mark.parametrize("order", ["BE", "EB"])
 @pytest.mark.parametrize("where", [0, 1, 2], ids=["before-both", "between", "after-both"])
 @pytest.mark.parametrize("at", [0, 2, 4])

@@ -11,23 +11,12 @@ from keras_perf._utils import check_choice, check_int
 from keras_perf.channel_pruning import _select
 from keras_perf.channel_pruning._graph import ChannelGraph
 from keras_perf.pruning import PruningSchedule
+from keras_perf.pruning._constraint import _MaskConstraint
 
 
-class _ChannelMask:
-    """Variable constraint `w -> mask * original(w)`, run by the optimizer after each update.
-
-    Never serialized: layers serialize their own `*_constraint` arguments, not the variable's,
-    so a saved model stays a plain Keras model.
-    """
-
-    def __init__(self, mask: keras.Variable, original=None):
-        self.mask = mask
-        self.original = original
-
-    def __call__(self, w):
-        if self.original is not None:
-            w = self.original(w)
-        return ops.multiply(w, ops.cast(self.mask, w.dtype))
+class _ChannelMask(_MaskConstraint):
+    """Pruning's mask constraint (`w -> mask * original(w)`), as its own type so that channel
+    masks and magnitude-pruning masks are told apart on one model."""
 
 
 def _mask_array(graph, w, removed) -> np.ndarray:

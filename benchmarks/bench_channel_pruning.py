@@ -42,9 +42,10 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-from _harness import finish, machine, parse_args, row, summarize, timed  # noqa: E402
+from _harness import finish, parse_args, row, summarize, timed  # noqa: E402
 
 import keras_perf as kp  # noqa: E402
+from keras_perf.bench import machine  # noqa: E402
 
 warnings.filterwarnings("ignore", message=r"(?s).*tf.lite.Interpreter is deprecated")
 L = keras.layers

@@ -380,7 +380,8 @@ def test_bench_quick_prints_every_row(tmp_path):
         timeout=900,
         cwd=root,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    failed = [ln[:600] for ln in proc.stdout.splitlines() if "FAILED" in ln]
+    assert proc.returncode == 0, "\n".join(failed) + proc.stdout[-2000:] + proc.stderr[-2000:]
     scripts = sorted(p.name for p in (root / "benchmarks").glob("bench_*.py"))
     for name in scripts:
         assert f"running {name}" in proc.stdout
@@ -429,3 +430,34 @@ def test_bad_output_locations_are_argument_errors_before_anything_runs(tmp_path,
         cli.main(["bench", "--markdown", str(out if case != "file" else tmp_path)])
     assert exc.value.code == 2
     assert "--markdown" in capsys.readouterr().err
+
+
+def test_benchmark_scripts_import_only_names_their_helpers_define():
+    """A benchmark that imports a name its helper module no longer has fails only when
+    `bench` runs it (slow tier); this reads the imports instead, in milliseconds."""
+    import ast
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parent.parent / "benchmarks"
+    defined = {}
+    for helper in folder.glob("_*.py"):
+        tree = ast.parse(helper.read_text())
+        names = set()
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Assign):
+                names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+            elif isinstance(node, ast.ImportFrom | ast.Import):
+                names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        defined[helper.stem] = names
+    missing = []
+    for script in sorted(folder.glob("*.py")):
+        for node in ast.walk(ast.parse(script.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module in defined:
+                missing += [
+                    f"{script.name}: {node.module}.{a.name}"
+                    for a in node.names
+                    if a.name not in defined[node.module]
+                ]
+    assert len(defined) >= 3 and not missing, missing

@@ -126,6 +126,74 @@ def test_locked_input_is_input_bound_and_workers_do_not_help(digits):
     assert workers and workers[0]["speedup"] < 1.6, str(d)
 
 
+def _slow_map_dataset(x, y):
+    """Batches of 16 digits whose `map` sleeps 10 ms each (not parallel, no prefetch)."""
+    import tensorflow as tf
+
+    def slow(batch):
+        time.sleep(0.01)
+        return batch
+
+    def stage(xb, yb):
+        xb = tf.numpy_function(slow, [xb], tf.float32, stateful=False)
+        xb.set_shape((None, 64))
+        return xb, yb
+
+    return tf.data.Dataset.from_tensor_slices((x[:640], y[:640])).batch(16).map(stage)
+
+
+@pytest.mark.backends("tensorflow")
+def test_tf_data_what_ifs_are_offered_where_they_apply_and_cache_wins(digits):
+    (x, y), _ = digits
+    model = small_mlp()
+    d = kp.diagnose(model, _slow_map_dataset(x, y), steps=12, max_seconds=12)
+    assert d.bottleneck == "input", str(d)
+    by_change = {w["change"]: w for w in d.what_if}
+    assert {"tf.data prefetch", "tf.data parallel map", "tf.data cache"} <= set(by_change), str(d)
+    # Cached, a batch costs a memory read instead of a 10 ms sleep: the step (~1 ms) is left.
+    assert by_change["tf.data cache"]["speedup"] > 2.0, str(d)
+    assert by_change["tf.data cache"]["how"].startswith("dataset = dataset.cache()")
+    assert by_change["tf.data prefetch"]["how"].endswith("# last in the pipeline")
+    # A pipeline that already caches, maps in parallel and prefetches is offered none of it.
+    import tensorflow as tf
+
+    ds = tf.data.Dataset.from_tensor_slices((x[:640], y[:640])).cache().batch(16)
+    ds = ds.map(lambda a, b: (a, b), num_parallel_calls=2).prefetch(2)
+    d = kp.diagnose(model, ds, steps=12, max_seconds=6)
+    assert not [w for w in d.what_if if w["change"].startswith("tf.data")], str(d)
+
+
+@pytest.mark.backends("tensorflow")
+def test_tf_data_cache_not_tried_on_an_infinite_dataset(digits):
+    (x, y), _ = digits
+    d = kp.diagnose(small_mlp(), _slow_map_dataset(x, y).repeat(), steps=8, max_seconds=8)
+    assert "tf.data cache" not in [w["change"] for w in d.what_if]
+    assert any("cache not tried: the dataset is infinite" in n for n in d.notes), d.notes
+
+
+def test_mixed_precision_what_if_on_an_accelerator_leaves_the_policy_and_model_alone(
+    digits, monkeypatch
+):
+    """On a GPU `diagnose` times a mixed-precision twin; here the accelerator is pretended (the
+    twin then runs on the CPU, where float16 may be slower: only that it is measured and
+    undone is asserted)."""
+    from keras_perf import backend as _backend
+
+    monkeypatch.setattr(_backend, "has_accelerator", lambda: True)
+    (x, y), _ = digits
+    model = small_mlp()
+    before = _variables(model)
+    d = kp.diagnose(model, x, y, batch_size=64, steps=8, max_seconds=20)
+    policy = "mixed_bfloat16" if BACKEND == "jax" else "mixed_float16"
+    mixed = [w for w in d.what_if if w["change"] == f"mixed precision ({policy})"]
+    assert mixed and mixed[0]["speedup"] > 0, (str(d), d.notes)
+    assert mixed[0]["how"] == f"kp.setup_mixed_precision('{policy}')  # before building the model"
+    assert keras.mixed_precision.global_policy().name == "float32"
+    assert model.dtype_policy.name == "float32"
+    for a, b in zip(before, _variables(model)):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_tiny_step_is_host_bound_and_model_untouched(digits):
     (x, y), _ = digits
     model = small_mlp()
@@ -238,3 +306,15 @@ def test_cli_diagnose_json(digits, tmp_path, capsys):
     assert out["bottleneck"] in ("input", "host", "compute")
     assert out["batch_size"] == 8
     assert abs(sum(out["shares"].values()) - 1) < 1e-9
+
+
+@pytest.mark.backends("tensorflow")
+def test_a_caching_pipeline_is_measured_cached(digits):
+    """Steady state, not the cache-filling first pass: otherwise every what-if timed after
+    the cache fills looks like a large gain (seen: steps_per_execution 14.7x on an input
+    that was fast once cached)."""
+    (x, y), _ = digits
+    d = kp.diagnose(small_mlp(), _slow_map_dataset(x, y).cache(), steps=12, max_seconds=12)
+    assert any("read once before measuring" in n for n in d.notes), d.notes
+    # Cached, the 10 ms sleep is gone from every step the diagnosis times.
+    assert d.seconds_per_step["input_alone"] < 0.005, str(d)

@@ -121,3 +121,28 @@ def any_worker(flag: bool, model=None) -> bool:
     strategy = _strategy(model)
     local = strategy.run(lambda: tf.constant(1.0 if flag else 0.0))
     return float(strategy.reduce("SUM", local, axis=None)) > 0
+
+
+def dataset_stages(dataset) -> list:
+    """Every stage of a tf.data pipeline, the last first.
+
+    tf.data has no public way to walk a pipeline; `Dataset._inputs()` (each stage's inputs)
+    is what its own graph rewrites use.
+    """
+    found, stack, seen = [], [dataset], set()
+    while stack:
+        ds = stack.pop()
+        if id(ds) in seen:
+            continue
+        seen.add(id(ds))
+        found.append(ds)
+        try:
+            stack.extend(ds._inputs())
+        except (AttributeError, NotImplementedError):  # a stage that does not say
+            pass
+    return found
+
+
+def has_stage(dataset, name: str) -> bool:
+    """Whether a tf.data pipeline has a stage of this class (`"CacheDataset"`, ...)."""
+    return any(type(ds).__name__.lstrip("_") == name for ds in dataset_stages(dataset))

@@ -48,18 +48,40 @@ class Change:
             self._undo()
 
 
-def _map_datasets(dataset) -> list:
-    """Non-parallel `map` stages in a tf.data pipeline (walks tf.data's `_input_datasets`)."""
-    found, stack, seen = [], [dataset], set()
-    while stack:
-        ds = stack.pop()
-        if id(ds) in seen:
-            continue
-        seen.add(id(ds))
-        if type(ds).__name__ == "_MapDataset":
-            found.append(ds)
-        stack.extend(getattr(ds, "_input_datasets", []) or [])
-    return found
+def _cache_change(ctx, ds, out, notes) -> None:
+    """`dataset.cache()`, when the pipeline is finite and one pass fits in the time budget.
+
+    Its gain shows from the second pass on, so the cache is filled (one whole pass, untimed)
+    before the timed fit. The cache is measured at the end of the pipeline, an upper bound on
+    a cache placed before shuffling and random augmentation, where it belongs.
+    """
+    import tensorflow as tf
+
+    from keras_perf.backend import tensorflow as _tf
+
+    if _tf.has_stage(ds, "CacheDataset"):
+        return
+    batches = int(ds.cardinality())
+    if batches <= 0:
+        notes.append("tf.data cache not tried: the dataset is infinite or of unknown length.")
+        return
+    fill_s = ctx.input_per_batch * batches
+    if fill_s > ctx.max_seconds / 4:
+        notes.append(
+            f"tf.data cache not tried: filling it takes one pass over {batches} batches "
+            f"(about {fill_s:.0f} s), more than a quarter of max_seconds."
+        )
+        return
+    cached = ds.cache().prefetch(tf.data.AUTOTUNE)
+
+    def fill(cached=cached):
+        for _ in cached:  # one full pass fills tf.data's in-memory cache for later iterators
+            pass
+
+    how = "dataset = dataset.cache()  # after the deterministic stages, before shuffle"
+    if _tf.has_stage(ds, "ShuffleDataset"):
+        how += "; measured with the cache last, an upper bound"
+    out.append(Change("tf.data cache", how, {"x": cached}, ctx.batch_size, fill, retraces=False))
 
 
 def candidates(ctx) -> tuple[list[Change], list[str]]:
@@ -99,6 +121,8 @@ def candidates(ctx) -> tuple[list[Change], list[str]]:
     if source.kind == "tf.data":
         import tensorflow as tf
 
+        from keras_perf.backend import tensorflow as _tf
+
         ds = source.x
         if type(ds).__name__ != "_PrefetchDataset":
             out.append(
@@ -110,7 +134,7 @@ def candidates(ctx) -> tuple[list[Change], list[str]]:
                     retraces=False,
                 )
             )
-        if _map_datasets(ds):
+        if _tf.has_stage(ds, "MapDataset"):  # a map that is not parallel
             options = tf.data.Options()
             options.experimental_optimization.map_parallelization = True
             out.append(
@@ -122,6 +146,8 @@ def candidates(ctx) -> tuple[list[Change], list[str]]:
                     retraces=False,
                 )
             )
+    if source.kind == "tf.data":
+        _cache_change(ctx, source.x, out, notes)
     if source.kind == "arrays" and ctx.larger_batch_fits:
         big = 2 * B
         if source.examples // big >= 2:

@@ -22,6 +22,9 @@ Interface (every implementation module provides these names):
   variables)`` (optional; JAX only): make assignments to variables outside the model reach the
   compiled train step without retracing it. TensorFlow graphs and eager torch read every
   variable when the step runs, so elsewhere the first returns True and does nothing.
+- ``fake_quant(x, min_vals, max_vals, num_bits, narrow_range, axis=None)`` (optional; torch
+  only): `keras.quantizers.fake_quant_with_min_max_vars` in fused ops, where Keras' own path
+  is slow; elsewhere the name is None and callers use Keras'.
 - ``model_scope(model)`` (optional; TensorFlow only): the scope of the tf.distribute strategy
   `model` was created under, in which a model sharing its layers must be created.
 
@@ -58,6 +61,7 @@ memory_stats = _impl.memory_stats
 reset_peak_memory = _impl.reset_peak_memory
 list_devices = _impl.list_devices
 configure_devices = _impl.configure_devices
+fake_quant = getattr(_impl, "fake_quant", None)
 carry_in_step_state = getattr(_impl, "carry_in_step_state", lambda model, variables: True)
 release_step_state = getattr(_impl, "release_step_state", lambda model, variables: None)
 

@@ -78,3 +78,34 @@ def configure_devices(memory_growth: bool, memory_limit_mb):
 def clear_memory() -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def fake_quant(x, min_vals, max_vals, num_bits: int, narrow_range: bool, axis=None):
+    """`keras.quantizers.fake_quant_with_min_max_vars` with torch's fused fake-quantize ops.
+
+    Keras' torch path is some twenty elementwise ops under a Python `custom_gradient`; this is
+    the same arithmetic (TensorFlow's nudged range, Keras' rounding) in two ops, 2-5x cheaper
+    per call. Clamping to the nudged range first gives Keras' straight-through gradient
+    exactly: zero outside the range, unchanged inside it. The range gets no gradient (the
+    callers' ranges are moving averages or `max |w|`, not trained). 2-8 bits; 16-bit ranges
+    are left to Keras (torch's op and Keras' disagree on rounding ties at 65535 levels).
+    """
+    import torch
+
+    qmin, qmax = (1 if narrow_range else 0), 2**num_bits - 1
+    lo = torch.as_tensor(min_vals, device=x.device).detach().float()
+    hi = torch.as_tensor(max_vals, device=x.device).detach().float()
+    scale = (hi - lo) / (qmax - qmin)
+    zero = torch.clamp(torch.floor(qmin - lo / scale + 0.5), qmin, qmax)
+    low, high = (qmin - zero) * scale, (qmax - zero) * scale
+    xf = x.float()
+    if axis is None:
+        y = torch.fake_quantize_per_tensor_affine(
+            torch.clamp(xf, low, high), scale.reshape(()), zero.reshape(()).int(), qmin, qmax
+        )
+    else:
+        shape = [1] * x.ndim
+        shape[axis] = -1
+        clamped = torch.clamp(xf, low.reshape(shape), high.reshape(shape))
+        y = torch.fake_quantize_per_channel_affine(clamped, scale, zero.int(), axis, qmin, qmax)
+    return y.to(x.dtype)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import keras
 from keras import ops
 
+from keras_perf import backend as _backend
 from keras_perf._utils import check_int
 
 WEIGHT_BITS = range(2, 9)
@@ -27,6 +28,17 @@ def check_bits(name: str, value, allowed) -> int:
         extra = " or 16" if 16 in allowed else ""
         raise ValueError(f"`{name}` must be an integer in {lo}-{hi}{extra}; got {value!r}.")
     return int(value)
+
+
+def fake_quant(x, min_vals, max_vals, num_bits: int, narrow_range: bool, axis=None):
+    """`keras.quantizers.fake_quant_with_min_max_vars`, in the backend's fused ops where Keras'
+    own are slow (torch, 2-8 bits; see `keras_perf.backend.torch.fake_quant`)."""
+    if _backend.fake_quant is not None and num_bits <= 8:
+        x = ops.convert_to_tensor(x)
+        return _backend.fake_quant(x, min_vals, max_vals, num_bits, narrow_range, axis)
+    return keras.quantizers.fake_quant_with_min_max_vars(
+        x, min_vals, max_vals, num_bits=num_bits, narrow_range=narrow_range, axis=axis
+    )
 
 
 def kernel_range(kernel, channel_axes):
@@ -46,20 +58,14 @@ def fake_quant_kernel(kernel, bits: int, channel_axes):
     [-(2^(b-1)-1), 2^(b-1)-1] times a scale `max|w| / (2^(b-1)-1)` per channel."""
     m = kernel_range(kernel, channel_axes)
     if channel_axes is None:
-        return keras.quantizers.fake_quant_with_min_max_vars(
-            kernel, -m, m, num_bits=bits, narrow_range=True
-        )
+        return fake_quant(kernel, -m, m, bits, True)
     shape = ops.shape(kernel)
     if len(channel_axes) > 1:  # Depthwise: channels = in x multiplier, the last two axes.
         flat = ops.reshape(kernel, (*kernel.shape[: channel_axes[0]], -1))
         m = ops.reshape(m, (-1,))
-        q = keras.quantizers.fake_quant_with_min_max_vars(
-            flat, -m, m, num_bits=bits, narrow_range=True, axis=-1
-        )
+        q = fake_quant(flat, -m, m, bits, True, axis=len(flat.shape) - 1)
         return ops.reshape(q, shape)
-    return keras.quantizers.fake_quant_with_min_max_vars(
-        kernel, -m, m, num_bits=bits, narrow_range=True, axis=channel_axes[0]
-    )
+    return fake_quant(kernel, -m, m, bits, True, axis=channel_axes[0])
 
 
 @keras.saving.register_keras_serializable(package="keras_perf")
@@ -124,9 +130,7 @@ class ActivationQuantizer(keras.layers.Layer):
             self.min.assign(lo)
             self.max.assign(hi)
             self.initialized.assign(ops.ones((), "float32"))
-        y = keras.quantizers.fake_quant_with_min_max_vars(
-            x, lo, hi, num_bits=self.num_bits, narrow_range=False
-        )
+        y = fake_quant(x, lo, hi, self.num_bits, False)
         return ops.cast(y, inputs.dtype)
 
     def compute_output_shape(self, input_shape):

@@ -404,7 +404,7 @@ def test_plot_panels_colours_legends_and_axes():
     pytest.importorskip("matplotlib")
     from matplotlib.colors import to_hex
 
-    from keras_perf.monitor_report import history_figure
+    from keras_perf.monitor._report import history_figure
 
     mon = _monitor_with_made_up_history()
     for r, (norm, skipped, scale) in zip(
@@ -681,10 +681,11 @@ def test_injected_write_errors_skip_one_epoch_and_leave_readable_files(
     tmp_path, digits, monkeypatch
 ):
     (x, y), _ = digits
-    from keras_perf import monitor
+    from keras_perf.monitor import _callback
 
-    # JSONL: the 2nd append fails; TensorBoard: every scalar of epoch 2.
-    monkeypatch.setattr(monitor, "append_bytes", _fail_on_call(2, monitor.append_bytes))
+    # JSONL: the 2nd append fails (patched where the callback looks it up); TensorBoard: every
+    # scalar of epoch 2.
+    monkeypatch.setattr(_callback, "append_bytes", _fail_on_call(2, _callback.append_bytes))
     real_scalar = ScalarWriter.scalar
 
     def scalar(self, tag, value, step):
@@ -724,7 +725,7 @@ def test_append_bytes_cuts_a_torn_record_back(tmp_path, monkeypatch):
     # cut back to its previous length, so the next record starts on a clean line.
     import io
 
-    from keras_perf.monitor import append_bytes
+    from keras_perf._files import append_bytes
 
     path = str(tmp_path / "f")
     append_bytes(path, b"first\n")

@@ -1,33 +1,11 @@
-"""Training monitor: throughput, step-time percentiles, peak memory and MFU per epoch.
+"""`TrainingMonitor`, the Keras callback: hooks, the per-epoch record and its writes.
 
-Two parts, as in Lightning's ThroughputMonitor: `EpochMeter` is plain Python that turns clock
-readings into per-epoch figures; `TrainingMonitor` is the Keras callback that forwards hooks to
-it and adds what needs the model (examples seen, memory, loss scale, FLOPs), the logs, the
-crash-safe JSON-lines file and the TensorBoard scalars (`keras_perf._tensorboard`). The
-summary, the plot and the CSV are built in `keras_perf.monitor_report`.
-
-How the clock is read without slowing training down:
-
-- The only per-batch work is one `time.perf_counter()` and one `list.append` in
-  `on_train_batch_begin` (main thread) and in `on_train_batch_end`. The callback sets
-  `async_safe = True`, so on JAX and PyTorch Keras keeps its asynchronous batch dispatch;
-  there the end hook runs in Keras' worker thread *after* Keras has turned that step's logs
-  into Python numbers, i.e. after the step finished on the device. On TensorFlow Keras
-  converts the logs in the main thread before the hook, which is the same point. No extra
-  device synchronisation is added per batch, and `self.model` is never touched in a batch
-  hook. (Keras' JAX loop dispatches a whole epoch ahead of the device; the worker readings
-  still land when each step's results arrive, so they time the device, not the dispatch.
-  Worker threads may wake out of order; steps finish in order, so the k-th earliest reading
-  is taken as step k's end.)
-- A step's time is the gap between consecutive end readings (the first from the epoch's start,
-  so epoch 1's first step includes tracing/compilation) or, when the host is the bottleneck
-  and the worker threads read late and bunched, between begin readings (`EpochMeter` says how
-  it picks). With `steps_per_execution=N` Keras calls the hooks once per execution: each
-  execution is timed and divided by the steps it ran, so percentiles are over executions, in
-  milliseconds per step.
-- Examples come from Keras' own loss tracker, which every built-in `train_step` updates with
-  the batch's leading dimension (a short last batch counts as it is). It is read once per
-  epoch, before validation resets it.
+It forwards the batch and epoch hooks to an `EpochMeter` (`_meter.py`), adds what needs the
+model (examples seen, memory, loss scale, FLOPs), puts the figures into the logs and writes
+each record to the JSON-lines file and TensorBoard. Not here: the timing arithmetic
+(`_meter.py`), the summary, CSV and plot (`_report.py`), the log-location checks and the
+all-or-nothing append (`keras_perf/_files.py`), the TensorBoard writer
+(`keras_perf/_tensorboard.py`).
 """
 
 from __future__ import annotations
@@ -41,159 +19,15 @@ import keras
 import numpy as np
 
 from keras_perf import backend as _backend
+from keras_perf._files import _check_path, _prepare_dir, _prepare_file, _unwritable, append_bytes
 from keras_perf._tensorboard import ScalarWriter, require_writer
 from keras_perf._utils import check_bool, check_choice, check_int, check_number, warn
 from keras_perf.flops import estimate_flops_per_example, peak_flops_for_device
-from keras_perf.monitor_report import MONITOR_KEYS, plot_history, summarize, write_csv
-from keras_perf.monitor_report import is_number as _is_number
+from keras_perf.monitor._meter import EpochMeter
+from keras_perf.monitor._report import MONITOR_KEYS, plot_history, summarize, write_csv
+from keras_perf.monitor._report import is_number as _is_number
 
-__all__ = ["EpochMeter", "TrainingMonitor"]
-
-
-class EpochMeter:
-    """Plain measuring class: per-epoch timing figures from clock readings (no Keras inside).
-
-    Call `start()` at the epoch's start, `step_begin(index)` before and `step_end(index)` after
-    each step (or execution: `index` is the 0-based index of its first/last step),
-    `train_done()` after a device sync that follows the last step, `val_start()`/`val_end()`
-    around validation, then `finish()`. `step_end` only appends to a list, so it is safe to
-    call from Keras' worker threads.
-
-    Step times come from one of two readings, each of which splits the epoch into steps that
-    sum to the epoch time: gaps between step *ends* (right when the host waits for the
-    device, or when ends are read in the main thread as on TensorFlow), or gaps between step
-    *begins* (right when the host is the bottleneck and Keras' worker threads, starved of the
-    GIL, read the ends late and bunched together). The wrong reading squeezes several steps
-    into one long gap and near-zero ones; for the same sum that always widens the spread, so
-    the reading whose gaps vary less (smaller coefficient of variation) is used.
-
-    Args:
-        step_timing: Record each step's end time (for the percentiles and the step count).
-            Defaults to `True`.
-        clock: Function returning seconds. Defaults to `time.perf_counter`.
-
-    Example:
-        >>> meter = EpochMeter()
-        >>> meter.start()
-        >>> for i in range(3):
-        ...     meter.step_end(i)
-        >>> meter.finish()["steps"]
-        3
-    """
-
-    def __init__(self, step_timing: bool = True, clock=time.perf_counter) -> None:
-        self.step_timing = check_bool("step_timing", step_timing)
-        self.clock = clock
-        self.start()
-
-    def start(self) -> None:
-        """Begin an epoch: forget the previous one and read the clock."""
-        self._ends: list[tuple[int, float]] = []
-        self._begins: list[tuple[int, float]] = []
-        self._train_done: float | None = None
-        self._val_start: float | None = None
-        self._val_end: float | None = None
-        self._t0 = self.clock()
-
-    def step_begin(self, index: int) -> None:
-        """Record that the step (or execution starting at step) `index` is being dispatched."""
-        if self.step_timing:
-            self._begins.append((index, self.clock()))
-
-    def step_end(self, index: int) -> None:
-        """Record that the step (or execution ending at step) `index` has finished."""
-        if self.step_timing:
-            self._ends.append((index, self.clock()))
-
-    def train_done(self) -> None:
-        """Record the end of the training part (call right after a device sync)."""
-        if self._train_done is None:
-            self._train_done = self.clock()
-
-    def val_start(self) -> None:
-        self.train_done()
-        self._val_start = self.clock()
-
-    def val_end(self) -> None:
-        self._val_end = self.clock()
-
-    def finish(self, steps: int | None = None, max_steps: int | None = None) -> dict:
-        """Figures of the epoch: `epoch_time_s`, `val_time_s`, `steps`, `steps_per_s` and, with
-        step timing, `step_time_ms_p50` and `step_time_ms_p90`.
-
-        Args:
-            steps: Steps run this epoch, used when steps were not timed. Defaults to `None`.
-            max_steps: Steps in a full epoch, if known. Keras reports the last execution of
-                an epoch as ending at `begin + steps_per_execution - 1` even when fewer
-                batches were left; this caps the count. Defaults to `None`.
-
-        Returns:
-            A dict; values that are unknown are `None`.
-        """
-        self.train_done()
-        # Steps finish in order, but Keras' worker threads may take their readings out of
-        # order (wake-up jitter): the k-th earliest reading is the k-th step's completion.
-        indices = sorted(i for i, _ in self._ends)
-        if max_steps:
-            indices = [min(i, max_steps - 1) for i in indices]
-        ends = list(zip(indices, sorted(t for _, t in self._ends)))
-        train_end = ends[-1][1] if ends else self._train_done
-        if ends:
-            # The last step's completion, not a later sync, ends the training part; but a
-            # reading taken in a worker thread can lag, so never beyond the sync either.
-            train_end = min(max(t for _, t in ends), self._train_done)
-            steps = ends[-1][0] + 1
-        epoch_time = max(train_end - self._t0, 1e-9)
-        out = {
-            "epoch_time_s": epoch_time,
-            "val_time_s": None,
-            "steps": steps,
-            "steps_per_s": steps / epoch_time if steps else None,
-            "step_time_ms_p50": None,
-            "step_time_ms_p90": None,
-        }
-        if self._val_start is not None and self._val_end is not None:
-            out["val_time_s"] = max(self._val_end - max(self._val_start, train_end), 0.0)
-        if ends:
-            per_step = _gaps([(-1, self._t0)] + ends)
-            begins = sorted(self._begins)
-            if begins and begins[-1][0] < steps:
-                # Dispatch readings: each step spans from its start to the next one's, the
-                # last to the end of training. Like the completion gaps, these sum to the
-                # epoch; see the class docstring for why the steadier reading wins.
-                dispatch = _gaps([(i - 1, t) for i, t in begins] + [(steps - 1, train_end)])
-                if dispatch and _spread(dispatch) < _spread(per_step):
-                    per_step = dispatch
-            out["step_time_ms_p50"] = _quantile(per_step, 0.5)
-            out["step_time_ms_p90"] = _quantile(per_step, 0.9)
-        return out
-
-
-def _quantile(values: list[float], q: float) -> float:
-    """The `q` quantile with linear interpolation (NumPy's default), in plain Python: cheaper
-    than NumPy's call overhead for the few hundred values of an epoch."""
-    a = sorted(values)
-    pos = q * (len(a) - 1)
-    lo = int(pos)
-    hi = min(lo + 1, len(a) - 1)
-    return a[lo] + (a[hi] - a[lo]) * (pos - lo)
-
-
-def _spread(values: list[float]) -> float:
-    """Coefficient of variation (population standard deviation over mean); inf if mean is 0."""
-    mean = sum(values) / len(values)
-    if mean <= 0:
-        return float("inf")
-    return (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5 / mean
-
-
-def _gaps(points: list[tuple[int, float]]) -> list[float]:
-    """Per-step milliseconds between consecutive (last step index, time) readings."""
-    out = []
-    for (i0, t0), (i1, t1) in zip(points, points[1:]):
-        if i1 > i0:
-            out.append(max(t1 - t0, 0.0) / (i1 - i0) * 1000.0)
-    return out
+__all__ = ["TrainingMonitor"]
 
 
 @keras.saving.register_keras_serializable(package="keras_perf")
@@ -224,7 +58,7 @@ class TrainingMonitor(keras.callbacks.Callback):
       6 x params for an MLP; `kp.peak_flops_for_device`: a table of known GPUs).
 
     Timing adds no device synchronisation per batch and keeps Keras' asynchronous dispatch on
-    JAX and PyTorch (`async_safe = True`); see the module docstring for how.
+    JAX and PyTorch (`async_safe = True`); see the `keras_perf.monitor` docstring for how.
 
     Log locations are checked when training begins, before the first step: `log_path` must
     be a file path (its missing folders are created), `log_dir` a folder (created with its
@@ -530,7 +364,7 @@ class TrainingMonitor(keras.callbacks.Callback):
         and `loss_scale` (log2 axis) each in its own. Every series has its own colour and
         each legend sits outside its panel, to the right; rates, times and memory start at
         zero. Uses matplotlib's Agg canvas directly (no pyplot, no display needed): the
-        `plot` extra. Built by `keras_perf.monitor_report.plot_history`.
+        `plot` extra. Built by `keras_perf.monitor._report.plot_history`.
 
         Args:
             path: PNG file to write (overwritten).
@@ -547,96 +381,6 @@ class TrainingMonitor(keras.callbacks.Callback):
 
 
 # --------------------------------------------------------------------- helpers
-def append_bytes(path: str, data: bytes) -> None:
-    """Append `data` to the file `path` whole, or not at all.
-
-    Unbuffered writes, looped until every byte is out. If one fails (disk full, I/O error),
-    the file is cut back to its length before the call, so a reader never meets a torn JSON
-    line, and the `OSError` is re-raised. Where the cut itself fails (a device such as
-    `/dev/full`), the error that stopped the write is raised all the same.
-    """
-    with open(path, "ab", buffering=0) as f:
-        start = f.seek(0, os.SEEK_END)
-        view = memoryview(data)
-        try:
-            while view:
-                view = view[f.write(view) :]
-        except OSError:
-            try:
-                f.truncate(start)
-            except OSError:
-                pass
-            raise
-
-
-def _check_path(name: str, value):
-    if value is None:
-        return None
-    if not isinstance(value, (str, os.PathLike)):
-        raise TypeError(
-            f"`{name}` must be a file system path (str or os.PathLike) or None, got {value!r}."
-        )
-    return os.fspath(value)
-
-
-def _unwritable(name: str, path: str, exc: OSError) -> ValueError:
-    return ValueError(
-        f"`{name}={path!r}` cannot be written: {type(exc).__name__}: {exc}. Give a location "
-        "this process can create and write to."
-    )
-
-
-def _first_existing_ancestor(path: str) -> str:
-    folder = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(folder):
-        parent = os.path.dirname(folder)
-        if parent == folder:
-            break
-        folder = parent
-    return folder
-
-
-def _check_no_file_above(name: str, path: str) -> None:
-    ancestor = _first_existing_ancestor(path)
-    if not os.path.isdir(ancestor):
-        raise ValueError(
-            f"`{name}={path!r}` lies under {ancestor!r}, which is a file, not a folder. "
-            f"Give a `{name}` in an existing folder or one that can be created."
-        )
-
-
-def _prepare_file(name: str, path: str) -> None:
-    """At train begin: `path` is a file this process can append to; its folder is created."""
-    if os.path.isdir(path):
-        raise ValueError(
-            f"`{name}={path!r}` is a directory; it must be a file path, e.g. "
-            f"{os.path.join(path, 'run.jsonl')!r}."
-        )
-    _check_no_file_above(name, path)
-    try:
-        folder = os.path.dirname(path)
-        if folder:
-            os.makedirs(folder, exist_ok=True)
-        with open(path, "ab"):
-            pass
-    except OSError as exc:
-        raise _unwritable(name, path, exc) from exc
-
-
-def _prepare_dir(name: str, path: str) -> None:
-    """At train begin: `path` is a folder (created with its parents, as Keras' TensorBoard)."""
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ValueError(
-            f"`{name}={path!r}` is a file; it must be a folder (TensorBoard writes event "
-            "files into it), e.g. 'logs/run1'."
-        )
-    _check_no_file_above(name, path)
-    try:
-        os.makedirs(path, exist_ok=True)
-    except OSError as exc:
-        raise _unwritable(name, path, exc) from exc
-
-
 def _plain(logs: dict) -> dict:
     out = {}
     for k, v in logs.items():

@@ -1,7 +1,9 @@
 """Reports on a `TrainingMonitor` history: the summary, the CSV file and the plot.
 
 Plain functions of the history (a list of per-epoch dicts), apart from the callback that
-records it; `TrainingMonitor.summary()`, `.to_csv()` and `.plot()` forward here.
+records it; `TrainingMonitor.summary()`, `.to_csv()` and `.plot()` forward here. Also
+`MONITOR_KEYS`, the keys the monitor adds to the logs. Not here: the callback (`_callback.py`)
+and the timing (`_meter.py`).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """`TimeLimit`: stop training before a wall-clock budget runs out.
 
-It shares `keras_perf.stopping.MonitoringCallback` with `EarlyStopping` (best-epoch tracking,
-best weights, `state_dict()`, and the persistence beside a `BackupAndRestore` backup through
-`keras_perf._state`); this module adds the clock and the estimate of the next epoch.
+It shares `keras_perf._monitoring_callback.MonitoringCallback` with `EarlyStopping`
+(best-epoch tracking, best weights, `state_dict()`, and the persistence beside a
+`BackupAndRestore` backup through `keras_perf._state`); this module adds the clock and the
+estimate of the next epoch.
 """
 
 from __future__ import annotations
@@ -13,9 +14,9 @@ import time
 import keras
 
 from keras_perf import backend as _backend
+from keras_perf._monitoring_callback import MonitoringCallback
 from keras_perf._utils import check_choice, check_number, warn
 from keras_perf.backend import keras_internals
-from keras_perf.stopping import MonitoringCallback
 
 __all__ = ["TimeLimit"]
 

@@ -441,3 +441,31 @@ def test_qat_student_in_distillation_trains_and_exports(digits, tmp_path):
     assert abs((t.argmax(1) == yv).mean() - (k.argmax(1) == yv).mean()) <= 0.02
     step = report["output_quantization"][0]
     assert np.mean(np.abs(k - t) <= step * 1.01) > 0.95
+
+
+@pytest.mark.backends("torch")
+@pytest.mark.parametrize("bits,narrow", [(2, True), (4, True), (8, True), (8, False), (5, False)])
+def test_torch_fused_fake_quant_equals_keras_values_and_gradients(bits, narrow):
+    """On torch the fake quantization runs in torch's fused ops: same outputs and the same
+    straight-through gradient as `keras.quantizers.fake_quant_with_min_max_vars`."""
+    import torch
+
+    from keras_perf.quantization._quantizers import fake_quant
+
+    rng = np.random.default_rng(bits)
+    for shape, axis in [((64, 6, 6, 8), None), ((3, 3, 8, 16), 3), ((12, 10), 1)]:
+        x = torch.tensor(rng.normal(size=shape).astype("float32"), requires_grad=True)
+        if axis is None:
+            lo, hi = torch.tensor(-1.3), torch.tensor(2.1)
+        else:
+            m = 0.6 * x.detach().abs().amax(dim=[d for d in range(len(shape)) if d != axis])
+            lo, hi = -m, m
+        ours = fake_quant(x, lo, hi, bits, narrow, axis)
+        ref = keras.quantizers.fake_quant_with_min_max_vars(
+            x, lo, hi, num_bits=bits, narrow_range=narrow, axis=axis
+        )
+        np.testing.assert_array_equal(ours.detach().numpy(), ref.detach().numpy())
+        (g_ours,) = torch.autograd.grad((ours * ours).sum(), x)
+        (g_ref,) = torch.autograd.grad((ref * ref).sum(), x)
+        np.testing.assert_array_equal(g_ours.numpy(), g_ref.numpy())
+        assert 0 < int((g_ref == 0).sum()) < g_ref.numel()  # some values fall outside

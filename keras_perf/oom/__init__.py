@@ -1,0 +1,46 @@
+"""Training that survives out-of-memory: `fit_with_oom_retry` and `find_max_microbatch`.
+
+We follow Composer's approach rather than the reference articles' (catch the error, re-run
+`fit` with half the batch: progress lost and the optimisation changed): the failed epoch is
+re-run from its starting state with the same effective batch cut into more micro-batches.
+
+How a run recovers, step by step:
+
+1. Before each epoch, the values of the model's variables (weights, non-trainable state,
+   random-seed state) and of the optimizer's variables are copied to host memory. Host
+   copies, because on JAX the failing call may already have donated (freed) the device
+   buffers that held the state.
+2. An exception that the backend shim recognises as out-of-memory (`kp.backend.is_oom`) ends
+   the current `fit` call; any other exception propagates unchanged.
+3. The snapshot is restored, garbage is collected and the backend's cache released, and the
+   number of micro-batches is doubled: the model has `kp.LossScaleTrainStep` (its
+   `microbatches` is raised) or, for a stock Sequential/Functional model, a `kp.loss_scaled`
+   twin is made that shares the model's layers and optimizer. Each batch keeps its size and
+   each step stays one optimizer update: in-step gradient accumulation equal to the
+   full-batch update, so the optimisation does not change. A subclassed model without the
+   mixin, fed arrays, instead gets half the batch size and an optimizer copy that averages
+   twice as many batches per update (Keras' gradient accumulation): the same update again.
+4. `fit` is called again with `initial_epoch` = the failed epoch and the same callbacks.
+
+The parts: `_snapshot` (host copies of the variables and RNGs), `_callbacks` (the callbacks
+shared by the run's `fit` calls), `_inputs` and `_replay` (inputs, and a generator made
+replayable), `_accumulation` and `_routes` (the accumulation route, and which route a model
+takes), `_checks` (argument checks), `_errors` (error text), `_retry` (`fit_with_oom_retry`)
+and `_probe` (`find_max_microbatch`).
+"""
+
+from __future__ import annotations
+
+from keras_perf.oom._accumulation import PerUpdateSchedule
+from keras_perf.oom._probe import find_max_microbatch
+from keras_perf.oom._retry import fit_with_oom_retry
+
+__all__ = ["fit_with_oom_retry", "find_max_microbatch"]
+
+# `PerUpdateSchedule` keeps `keras_perf.oom` as its module, as before the split into parts:
+# Keras writes it into serialized configs (`"module"`), and it shows in reprs and pickles.
+PerUpdateSchedule.__module__ = __name__
+
+# `doctest.testmod(keras_perf.oom)` runs the examples of the public names' docstrings, which
+# live in the parts.
+__test__ = {name: globals()[name] for name in __all__}

@@ -1,0 +1,151 @@
+"""The gradient-accumulation route, for a subclassed model without the mixin fed arrays.
+
+Lives here: `_Accumulation` (an optimizer copy with `gradient_accumulation_steps=k`, its
+state handed back at the end), `_copy_optimizer_state`, `PerUpdateSchedule` and the loss
+reductions that rule accumulation out. Not here: the micro-batch route (`kp.loss_scaled`,
+`kp.LossScaleTrainStep` in keras_perf/train_step.py), the choice between routes (`_routes`).
+"""
+
+from __future__ import annotations
+
+import keras
+
+from keras_perf import backend as _backend
+from keras_perf.backend import keras_internals
+
+
+# The accumulation route below reads three private attributes of Keras optimizers, through
+# keras_perf/backend/keras_internals.py: the raw batch counter behind `iterations`, the schedule
+# behind `learning_rate` and the gradient accumulators.
+def _plain_variables(optimizer) -> list:
+    """The optimizer's variables other than its step counter and gradient accumulators."""
+    skip = {id(a) for a in keras_internals.accumulated_gradients(optimizer)}
+    skip.add(id(keras_internals.optimizer_iterations(optimizer)))
+    return [v for v in optimizer.variables if id(v) not in skip]
+
+
+def _copy_optimizer_state(source, target) -> None:
+    """Copy slots, learning rate and step count from `source` into `target` (same variables).
+
+    Either may accumulate gradients (Keras' `gradient_accumulation_steps`, whose counter
+    counts accumulated batches); the optimizer-step count is carried over, and `target`'s
+    accumulators are left at zero.
+    """
+    src, dst = _plain_variables(source), _plain_variables(target)
+    if len(src) != len(dst) or any(tuple(a.shape) != tuple(b.shape) for a, b in zip(src, dst)):
+        raise RuntimeError(
+            f"fit_with_oom_retry: cannot carry the state of optimizer '{source.name}' over to an "
+            "accumulating copy (its variables differ)."
+        )
+    for a, b in zip(src, dst):
+        b.assign(a.value)
+    steps = int(keras.ops.convert_to_numpy(keras_internals.optimizer_iterations(source))) // (
+        source.gradient_accumulation_steps or 1
+    )
+    keras_internals.optimizer_iterations(target).assign(
+        steps * (target.gradient_accumulation_steps or 1)
+    )
+    for acc in keras_internals.accumulated_gradients(target):
+        acc.assign(keras.ops.zeros(acc.shape, acc.dtype))
+
+
+@keras.saving.register_keras_serializable(package="keras_perf")
+class PerUpdateSchedule(keras.optimizers.schedules.LearningRateSchedule):
+    """A learning-rate schedule read at the update count of an accumulating optimizer.
+
+    Keras' optimizer with `gradient_accumulation_steps=k` evaluates its schedule at the count
+    of accumulated batches (k per update), which would run the schedule k times too fast;
+    this reads `schedule` at `step // k`, the number of updates.
+    """
+
+    def __init__(self, schedule, steps: int):
+        self.schedule, self.steps = schedule, int(steps)
+
+    def __call__(self, step):
+        return self.schedule(step // self.steps)
+
+    def get_config(self):
+        return {"schedule": keras.saving.serialize_keras_object(self.schedule), "steps": self.steps}
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(keras.saving.deserialize_keras_object(config["schedule"]), config["steps"])
+
+
+def _loss_reductions(model) -> list:
+    """The reductions of the compiled losses ("sum_over_batch_size" for a function or name)."""
+    losses = keras.tree.flatten(getattr(model, "loss", None))
+    return [
+        getattr(loss, "reduction", "sum_over_batch_size") for loss in losses if loss is not None
+    ]
+
+
+class _Accumulation:
+    """Gradient accumulation for a stock model fed arrays: batches of batch_size/k, k per update.
+
+    The user's optimizer is not changed in structure: while the run needs accumulation the
+    model trains with a copy built with `gradient_accumulation_steps=k` (Keras averages the k
+    gradients and applies them once; its `iterations` counts updates, and a learning-rate
+    schedule is read at the update count too, see `PerUpdateSchedule`), and the state is
+    handed back to the user's optimizer when the run ends.
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self.original = model.optimizer
+        self.k = 1
+
+    @staticmethod
+    def refuses(model, weighted: bool = False) -> str | None:
+        """Why accumulation would change the update (None: it gives the full-batch update).
+
+        Keras averages the k gradients. That is the full-batch gradient when each batch's
+        loss is its sum divided by the batch size ("sum_over_batch_size", "mean", with or
+        without sample weights): it is not for "sum" (1/k of the update) nor, with
+        sample weights (`weighted`), for "mean_with_sample_weight" (each batch divided by
+        its own weight total).
+        """
+        for reduction in _loss_reductions(model):
+            if reduction == "sum" or (reduction == "mean_with_sample_weight" and weighted):
+                return (
+                    f'its loss has reduction="{reduction}"'
+                    + (" and the data has sample weights" if weighted else "")
+                    + ", and averaging the gradients of smaller batches would not give the "
+                    "full-batch update."
+                )
+        if isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
+            return (
+                "its optimizer is a LossScaleOptimizer (mixed_float16), which Keras does not let "
+                "accumulate gradients."
+            )
+        if model.optimizer.gradient_accumulation_steps and not getattr(
+            model.optimizer, "_kp_copy", False
+        ):
+            return "its optimizer already accumulates gradients (gradient_accumulation_steps)."
+        return None
+
+    def set(self, k: int) -> None:
+        """Train with k accumulated batches per update from the next `fit` call on."""
+        current = self.model.optimizer
+        if k == 1:
+            target = self.original
+        else:
+            config = dict(self.original.get_config(), gradient_accumulation_steps=k)
+            with _backend.model_scope(self.model):
+                target = type(self.original).from_config(config)
+            schedule = keras_internals.learning_rate_source(self.original)
+            if isinstance(schedule, keras.optimizers.schedules.LearningRateSchedule):
+                keras_internals.set_learning_rate_source(target, PerUpdateSchedule(schedule, k))
+            target._kp_copy = True
+        if current.built and not target.built:
+            # (Unbuilt when the OOM came before the first update: Keras builds it then.)
+            with _backend.model_scope(self.model):
+                target.build(self.model.trainable_variables)
+        _copy_optimizer_state(current, target)
+        self.model.optimizer = target
+        self.model.train_function = None  # rebuilt by the next fit, with the new optimizer
+        self.k = k
+
+    def finish(self) -> None:
+        if self.k != 1:
+            self.set(1)

@@ -1,0 +1,290 @@
+"""`fit_with_oom_retry` and `_Run`, its retry loop: `fit` calls and the recovery between them.
+
+Lives here: the loop, what is recorded at each OOM, whether to retry, and the recovery
+(rewind, free memory, more pieces per batch). Not here: the snapshot (`_snapshot`), the
+callbacks (`_callbacks`), the generator replay (`_replay`), the accumulation route
+(`_accumulation`), the argument checks (`_checks`), `find_max_microbatch` (`_probe`).
+"""
+
+from __future__ import annotations
+
+import math
+import types
+
+import keras
+
+from keras_perf import backend as _backend
+from keras_perf.oom import _replay
+from keras_perf.oom._accumulation import _Accumulation
+from keras_perf.oom._callbacks import _RunCallbacks
+from keras_perf.oom._checks import _check_arguments, _check_min_batch_size
+from keras_perf.oom._errors import _error_text, _tried
+from keras_perf.oom._inputs import _KERAS_DEFAULT_BATCH, _infer_batch_size, _is_array_input, _steps
+from keras_perf.oom._replay import _Replay
+from keras_perf.oom._routes import _accumulates, _cannot_microbatch, _microbatches
+from keras_perf.train_step import LossScaleTrainStep, loss_scaled
+
+
+class _Run:
+    """One `fit_with_oom_retry` run: `fit` calls, and the recovery between them."""
+
+    def __init__(self, model, x, y, batch_size, epochs, initial_epoch, fit_kwargs):
+        self.model = self.fitting = model
+        self.y, self.epochs, self.epoch = y, epochs, initial_epoch
+        self.user_callbacks = fit_kwargs.pop("callbacks", None)
+        self.verbose = fit_kwargs.pop("verbose", "auto")
+        self.fit_kwargs = fit_kwargs
+        self.array_input = _is_array_input(x)
+        self.weighted = (
+            fit_kwargs.get("sample_weight") is not None
+            or fit_kwargs.get("class_weight") is not None
+        )
+        self.batch_size = batch_size
+        self.batch = (
+            (batch_size or _KERAS_DEFAULT_BATCH) if self.array_input else _infer_batch_size(x)
+        )
+        self.replay = _Replay(x) if isinstance(x, types.GeneratorType) else None
+        self.x = x if self.replay is None else self.replay.stream(0)
+        self.events: list[dict] = []
+        self.accumulation = _Accumulation(model) if _accumulates(model, self.array_input) else None
+        self.callbacks = _RunCallbacks(
+            list(self.user_callbacks or []),
+            x=x,
+            replay=self.replay,
+            add_history=True,
+            add_progbar=self.verbose != 0,
+            model=model,
+            verbose=self.verbose,
+            epochs=epochs,
+            steps=_steps(x, batch_size, fit_kwargs),
+        )
+
+    def fit(self) -> None:
+        self.fitting.fit(
+            self.x,
+            self.y,
+            batch_size=self.batch_size,
+            epochs=self.epochs,
+            initial_epoch=self.epoch,
+            callbacks=self.callbacks,
+            verbose=self.verbose,
+            **self.fit_kwargs,
+        )
+
+    def failed_epoch(self) -> int:
+        """The epoch the OOM interrupted (or the next one, between epochs)."""
+        callbacks = self.callbacks
+        if callbacks.epoch_in_progress():
+            return callbacks.begun_epoch
+        return self.epoch if callbacks.completed_epoch is None else callbacks.completed_epoch + 1
+
+    def pieces(self) -> int:
+        """Micro-batches (or accumulated batches) per step now."""
+        return self.accumulation.k if self.accumulation is not None else _microbatches(self.fitting)
+
+    def record(self, exc) -> dict:
+        event = {
+            "epoch": self.failed_epoch(),
+            "batch_size": self.batch,
+            "microbatches": self.pieces(),
+            "error": _error_text(exc),
+        }
+        self.events.append(event)
+        return event
+
+    def why_not_retry(self, nxt, max_retries, min_batch_size) -> str | None:
+        """Why the run gives up instead of retrying with `nxt` pieces per batch (None: retry)."""
+        batch = self.batch
+        reason = _cannot_microbatch(self.fitting, self.array_input, self.weighted)
+        if reason is None and len(self.events) > max_retries:
+            reason = f"max_retries={max_retries} recoveries were used up."
+        if reason is None and self.replay is not None:
+            if not self.replay.can_replay(self.callbacks.steps_done):
+                reason = (
+                    "the generator given as `x` cannot be replayed: the failed epoch took more "
+                    f"than {_replay._REPLAY_LIMIT_BYTES} bytes of batches from it, more than are "
+                    "kept. "
+                    "Pass a `keras.utils.PyDataset` or a `tf.data.Dataset`, which an epoch can "
+                    "read again."
+                )
+        if reason is None and self.accumulation is not None and batch % nxt:
+            reason = (
+                f"batch_size={batch} cannot be cut into {nxt} equal batches, which gradient "
+                "accumulation needs to keep the update unchanged (use a power-of-two "
+                "batch_size, or keras-perf's train step)."
+            )
+        if reason is None and batch is not None:
+            if nxt // 2 >= batch:
+                reason = "each micro-batch is already a single example."
+            elif math.ceil(batch / nxt) < min_batch_size:
+                reason = (
+                    f"the next micro-batch ({math.ceil(batch / nxt)} examples) would be below "
+                    f"min_batch_size={min_batch_size}."
+                )
+        return reason
+
+    def rewind(self) -> None:
+        """Restore the state the failed epoch began with (weights, optimizer, host RNGs)."""
+        if self.callbacks.epoch_in_progress():
+            self.callbacks.rewind()
+
+    def give_up(self, reason, exc) -> RuntimeError:
+        # Leave the model as it was when the failed epoch began (on JAX the failed call may
+        # have left its variables without values).
+        self.rewind()
+        events = self.events
+        return RuntimeError(
+            f"fit_with_oom_retry gave up after {len(events)} out-of-memory error(s): {reason} "
+            f"Tried: {_tried(events, self.batch)}. Last error: {events[-1]['error']}. Use a "
+            "smaller batch_size or model, or free accelerator memory."
+        )
+
+    def recover(self, epoch, nxt) -> None:
+        """Rewind, free memory, and set up the retry of `epoch` with `nxt` pieces per batch."""
+        in_progress = self.callbacks.epoch_in_progress()
+        if in_progress:
+            self.callbacks.rewind(random_state=False)
+        _backend.clear_memory()
+        if self.accumulation is not None:
+            self.accumulation.set(nxt)
+            self.batch_size = self.batch // nxt
+            steps = _steps(self.x, self.batch_size, self.fit_kwargs)
+            self.callbacks.set_params(dict(self.callbacks.params or {}, steps=steps))
+        elif isinstance(self.fitting, LossScaleTrainStep):
+            self.fitting.microbatches = nxt
+        else:
+            self.fitting = loss_scaled(self.fitting, microbatches=nxt)
+        self.callbacks.set_model(self.fitting)
+        if self.replay is not None:  # the failed epoch's batches again, then the next ones
+            self.x = self.replay.stream(self.callbacks.steps_done)
+        self.epoch = epoch
+        if in_progress:
+            self.callbacks.resume_random_state = (epoch, self.callbacks.random_state)
+
+    def history(self) -> keras.callbacks.History:
+        history = next(
+            cb for cb in self.callbacks.callbacks if isinstance(cb, keras.callbacks.History)
+        )
+        history.oom_events = self.events
+        self.model.history = history
+        return history
+
+
+def fit_with_oom_retry(
+    model: keras.Model,
+    x=None,
+    y=None,
+    *,
+    batch_size: int | None = None,
+    epochs: int = 1,
+    min_batch_size: int = 1,
+    max_retries: int = 8,
+    **fit_kwargs,
+) -> keras.callbacks.History:
+    """`model.fit` that recovers from out-of-memory without changing the effective batch.
+
+    Before each epoch the model's and optimizer's variables are copied to host memory. When
+    a step runs out of memory (TensorFlow `ResourceExhaustedError` or the `InternalError`
+    "Dst tensor is not initialized", XLA `RESOURCE_EXHAUSTED`, torch `OutOfMemoryError` or an
+    "out of memory" `RuntimeError`), the epoch's starting state is restored, memory is freed
+    and the epoch runs again with twice as many micro-batches per step. Batches keep their
+    size, each step stays one optimizer update equal to the full-batch update (see
+    `kp.LossScaleTrainStep`), so the run optimises exactly what it would have without the
+    error. Any other exception propagates unchanged.
+
+    Micro-batching comes from the model's own `kp.LossScaleTrainStep` (its `microbatches` is
+    doubled and stays raised afterwards) or, for a stock Sequential or Functional model, from
+    a `kp.loss_scaled` twin made at the first OOM, which shares the model's layers and
+    optimizer: the model you passed ends with the trained weights; `history.model` is the
+    model that finished the run. This works for every kind of input, including tf.data and
+    generators, which cannot be re-batched. A subclassed model without the mixin, fed arrays,
+    goes on with half the `batch_size` and its optimizer averaging 2 batches per update
+    (Keras' `gradient_accumulation_steps`, on a copy of the optimizer whose state is handed
+    back to yours when the run ends): the same updates when `batch_size` splits evenly (the
+    run gives up otherwise) and the number of examples is a multiple of it (otherwise the
+    short last batch is averaged with the next one). Only the train step is sliced: an OOM
+    during validation is retried until `max_retries` is used up (pass a smaller
+    `validation_batch_size`). When the run gives up, the model keeps the weights and
+    optimizer state it had when the failed epoch began.
+
+    Inputs: the retried epoch reads the batches the failed attempt read, in the same order.
+    Arrays, a PyDataset and a torch DataLoader are read again; the host RNGs that shuffle
+    them (Python's, NumPy's, torch's and the DataLoader's own) are restored to their state at
+    the start of the failed epoch. A Python generator cannot be rewound: its batches are
+    kept from the start of each epoch (by reference, up to 1 GiB per epoch) and fed again.
+    Not replayed exactly: arrays shuffled on TensorFlow (`tf.random` ops) and a
+    `tf.data.Dataset` that reshuffles each iteration (the retry gets a new order of the same
+    examples); a PyDataset whose `__getitem__` is not deterministic. Refused before any step:
+    `validation_data` as a generator.
+
+    Callback contract: one set of callbacks serves the whole run. `on_train_begin` and
+    `on_train_end` are called once; `on_epoch_end` once per completed epoch, so `History`,
+    `EarlyStopping`, `ModelCheckpoint`, `ReduceLROnPlateau` see every epoch once. A failed
+    epoch's `on_epoch_begin` and batch hooks ran before the error and run again on the retry
+    (the epoch restarts from its first batch), as do the progress bar's lines.
+
+    Args:
+        model: A compiled `keras.Model`.
+        x: Training inputs, as for `model.fit`. Defaults to `None`.
+        y: Targets, as for `model.fit`. Defaults to `None`.
+        batch_size: Batch size, as for `model.fit` (Keras uses 32 for arrays when `None`).
+            Defaults to `None`.
+        epochs: Index of the last epoch, as for `model.fit`. Defaults to `1`.
+        min_batch_size: Smallest micro-batch (examples per slice) to try; when halving once
+            more would go below it, the run gives up. Defaults to `1`.
+        max_retries: Most out-of-memory recoveries in the whole run. Defaults to `8`.
+        **fit_kwargs: Passed on to `model.fit` (`callbacks`, `validation_data`, `verbose`,
+            `initial_epoch`, ...).
+
+    Returns:
+        The Keras `History` of the run, every epoch once, with `history.oom_events`: one dict
+        per out-of-memory error, `{"epoch", "batch_size", "microbatches", "error"}` (the
+        micro-batch count that failed and the error's first line).
+
+    Raises:
+        TypeError: `model` is not a Keras model, or a bad argument type.
+        ValueError: the model is not compiled, an argument is out of range
+            (`min_batch_size` above the batch size included), or `validation_data` is a
+            generator.
+        RuntimeError: out of memory again with micro-batches below `min_batch_size`, after
+            `max_retries` recoveries, or on a model that can be neither micro-batched nor
+            given smaller batches with gradient accumulation (a subclassed model without
+            the train step whose loss has reduction="sum", or "mean_with_sample_weight" with
+            sample weights), or when a generator's epoch was too large to keep; the message
+            lists what was tried, and the last OOM error is its `__cause__`. Also at the start
+            under a multi-worker `MultiWorkerMirroredStrategy`, which it does not support.
+
+    Example:
+        >>> import keras, keras_perf as kp, numpy as np
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        >>> model.compile("sgd", "mse")
+        >>> h = kp.fit_with_oom_retry(model, np.ones((64, 4)), np.ones((64, 2)),
+        ...                           batch_size=16, epochs=2, verbose=0)
+        >>> len(h.history["loss"]), h.oom_events
+        (2, [])
+    """
+    batch_size, epochs, min_batch_size, max_retries, initial_epoch = _check_arguments(
+        model, batch_size, epochs, min_batch_size, max_retries, fit_kwargs
+    )
+    run = _Run(model, x, y, batch_size, epochs, initial_epoch, fit_kwargs)
+    _check_min_batch_size(min_batch_size, run.batch)
+    try:
+        while True:
+            try:
+                run.fit()
+                break
+            except Exception as exc:
+                if not _backend.is_oom(exc):
+                    raise
+                event = run.record(exc)
+                nxt = event["microbatches"] * 2
+                reason = run.why_not_retry(nxt, max_retries, min_batch_size)
+                if reason is not None:
+                    raise run.give_up(reason, exc) from exc
+            # Outside the `except` block, so that the failed step's traceback (and the tensors
+            # its frames hold) is released before memory is cleared.
+            run.recover(event["epoch"], nxt)
+    finally:
+        if run.accumulation is not None:
+            run.accumulation.finish()  # the user's optimizer gets the trained state back
+    return run.history()

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import keras_perf as kp
+from keras_perf.export import _convert
 
 BACKEND = keras.backend.backend()
 MODES = [None, "dynamic", "float16", "int8"]
@@ -325,8 +326,8 @@ def _no_conversion(monkeypatch):
     def fail(*args, **kwargs):
         raise AssertionError("the converter ran although the arguments were bad")
 
-    monkeypatch.setattr(kp.export._tflite, "convert_saved_model", fail)
-    monkeypatch.setattr(kp.export, "_export_via_tensorflow_process", fail)
+    monkeypatch.setattr(_convert._tflite, "convert_saved_model", fail)
+    monkeypatch.setattr(_convert, "_export_via_tensorflow_process", fail)
 
 
 def _calibration_cases():
@@ -419,7 +420,7 @@ def test_int8_file_that_fell_back_to_float_is_refused(tmp_path, monkeypatch):
     # All-NaN calibration gets past the converter as a float32 file; with the input check
     # switched off, the check on the converted file must still refuse it.
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
-    monkeypatch.setattr(kp.export, "_check_calibration", lambda *args: None)
+    monkeypatch.setattr(_convert, "_check_calibration", lambda *args: None)
     with pytest.raises(
         ValueError, match="did not give a full-integer file.*(no tensor is int8|stayed float32)"
     ):

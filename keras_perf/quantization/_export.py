@@ -49,8 +49,10 @@ def export_quantized(
     model, path, quantization, representative_data, int8_io, allow_select_tf_ops, custom_modules
 ) -> dict:
     """`export_tflite` for a QAT model (arguments already type-checked by the caller)."""
-    from keras_perf import export as _export
     from keras_perf.backend import tflite as _tflite
+    from keras_perf.export._checks import _check_path, _input_specs
+    from keras_perf.export._metadata import METADATA_NAME, _report
+    from keras_perf.export._tensorflow_process import _export_via_tensorflow_process
 
     if quantization != "int8":
         raise ValueError(
@@ -73,12 +75,12 @@ def export_quantized(
         )
     if not model.built or not model.inputs:
         raise ValueError("`model` is not built; give it an `Input` before exporting.")
-    path = _export._check_path(path)
+    path = _check_path(path)
     if keras.backend.backend() != "tensorflow":
-        return _export._export_via_tensorflow_process(
+        return _export_via_tensorflow_process(
             model, path, quantization, None, int8_io, allow_select_tf_ops, list(custom_modules)
         )
-    specs = _export._input_specs(model)
+    specs = _input_specs(model)
     with (
         tempfile.TemporaryDirectory() as saved_model_dir,
         _tflite.quiet_tensorflow_logs(),
@@ -101,6 +103,6 @@ def export_quantized(
     keys = [d["key"] for d in _tflite.describe(content)[0]]
     if sorted(order) == sorted(k for k in keys if k is not None):
         metadata = json.dumps({"inputs": order}).encode()
-        content = _tflite.add_metadata(content, _export.METADATA_NAME, metadata)
+        content = _tflite.add_metadata(content, METADATA_NAME, metadata)
     path.write_bytes(content)
-    return _export._report(path, content, quantization)
+    return _report(path, content, quantization)

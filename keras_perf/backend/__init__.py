@@ -24,7 +24,8 @@ Interface (every implementation module provides these names):
   variable when the step runs, so elsewhere the first returns True and does nothing.
 - ``fake_quant(x, min_vals, max_vals, num_bits, narrow_range, axis=None)`` (optional; torch
   only): `keras.quantizers.fake_quant_with_min_max_vars` in fused ops, where Keras' own path
-  is slow; elsewhere the name is None and callers use Keras'.
+  is slow; elsewhere the name is None and callers use Keras'. With it, ``fake_quant_kernel``
+  and ``moving_average_fake_quant``: the QAT kernel and activation quantizers in torch ops.
 - ``model_scope(model)`` (optional; TensorFlow only): the scope of the tf.distribute strategy
   `model` was created under, in which a model sharing its layers must be created.
 
@@ -62,6 +63,8 @@ reset_peak_memory = _impl.reset_peak_memory
 list_devices = _impl.list_devices
 configure_devices = _impl.configure_devices
 fake_quant = getattr(_impl, "fake_quant", None)
+fake_quant_kernel = getattr(_impl, "fake_quant_kernel", None)
+moving_average_fake_quant = getattr(_impl, "moving_average_fake_quant", None)
 carry_in_step_state = getattr(_impl, "carry_in_step_state", lambda model, variables: True)
 release_step_state = getattr(_impl, "release_step_state", lambda model, variables: None)
 

@@ -109,3 +109,54 @@ def fake_quant(x, min_vals, max_vals, num_bits: int, narrow_range: bool, axis=No
         clamped = torch.clamp(xf, low.reshape(shape), high.reshape(shape))
         y = torch.fake_quantize_per_channel_affine(clamped, scale, zero.int(), axis, qmin, qmax)
     return y.to(x.dtype)
+
+
+def fake_quant_kernel(kernel, bits: int, channel_axes, tiny: float):
+    """Symmetric narrow-range fake quantization of a kernel in torch ops (what
+    `keras_perf.quantization._quantizers.fake_quant_kernel` computes with Keras ops): integers
+    in [-(2^(b-1)-1), 2^(b-1)-1] times `max |w| / (2^(b-1)-1)` per channel. Every weight lies
+    inside its range, so the straight-through gradient is the identity."""
+    import torch
+
+    w = kernel.value if hasattr(kernel, "value") else kernel
+    q = 2 ** (bits - 1) - 1
+    a = w.detach().abs()
+    if channel_axes is None:
+        scale = torch.clamp(a.amax(), min=tiny) / q
+        return torch.fake_quantize_per_tensor_affine(w, scale, _zero_int(scale), -q, q)
+    flat = w
+    if len(channel_axes) > 1:  # Depthwise: channels = in x multiplier, the last two axes.
+        flat = w.reshape(*w.shape[: channel_axes[0]], -1)
+        a = flat.detach().abs()
+    axis = flat.ndim - 1 if len(channel_axes) > 1 else channel_axes[0]
+    dims = [d for d in range(flat.ndim) if d != axis]
+    scale = torch.clamp(a.amax(dim=dims) if dims else a, min=tiny) / q
+    y = torch.fake_quantize_per_channel_affine(flat, scale, _zero_int(scale), axis, -q, q)
+    return y.reshape(w.shape)
+
+
+def _zero_int(scale):
+    import torch
+
+    return torch.zeros(scale.shape, dtype=torch.int32, device=scale.device)
+
+
+def moving_average_fake_quant(x, min_var, max_var, initialized_var, decay, bits, training):
+    """`keras_perf.quantization.ActivationQuantizer.call` in torch ops: in training, the range
+    moves towards the batch's min and max (widened to include 0; the first batch sets it) and
+    the variables are updated in place, as Keras' `assign` does; then `fake_quant`."""
+    import torch
+
+    lo, hi = min_var.value, max_var.value
+    if training:
+        with torch.no_grad():
+            xd = x.detach()
+            batch_min = torch.clamp(xd.amin(), max=0.0).float()
+            batch_max = torch.clamp(xd.amax(), min=0.0).float()
+            first = initialized_var.value == 0
+            lo = torch.where(first, batch_min, decay * lo + (1.0 - decay) * batch_min)
+            hi = torch.where(first, batch_max, decay * hi + (1.0 - decay) * batch_max)
+            min_var.value.copy_(lo)
+            max_var.value.copy_(hi)
+            initialized_var.value.fill_(1.0)
+    return fake_quant(x, lo, hi, bits, False)

@@ -1,4 +1,4 @@
-"""Tests of kp.DistillationModel and kp.precompute_teacher_logits (keras_perf/distillation.py)."""
+"""Tests of kp.DistillationModel and kp.precompute_teacher_logits (keras_perf/distillation/)."""
 
 import os
 

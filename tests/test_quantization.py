@@ -352,6 +352,47 @@ def test_save_load_round_trip_keeps_ranges(tmp_path, digits):
     np.testing.assert_array_equal(loaded.predict(xv, verbose=0), qat.predict(xv, verbose=0))
 
 
+QUANTIZED_LAYERS = [
+    ("Dense", (6,), lambda: keras.layers.Dense(4, activation="relu")),
+    ("EinsumDense", (3, 6), lambda: keras.layers.EinsumDense("abc,cd->abd", (3, 4), bias_axes="d")),
+    ("Conv1D", (6, 2), lambda: keras.layers.Conv1D(3, 3, padding="causal")),
+    ("Conv2D", (5, 5, 2), lambda: keras.layers.Conv2D(3, 3, activation="relu")),
+    ("Conv3D", (4, 4, 4, 2), lambda: keras.layers.Conv3D(3, 2)),
+    ("DepthwiseConv2D", (5, 5, 2), lambda: keras.layers.DepthwiseConv2D(3, depth_multiplier=2)),
+]
+
+
+@pytest.mark.parametrize(
+    "kind, shape, make", QUANTIZED_LAYERS, ids=[k[0] for k in QUANTIZED_LAYERS]
+)
+def test_each_quantized_layer_saves_and_loads_with_its_sparsity_mask(tmp_path, kind, shape, make):
+    keras.utils.set_random_seed(0)
+    float_layer = make()
+    model = keras.Sequential([keras.Input(shape), float_layer])
+    kernel = np_(float_layer.kernel)
+    kernel[np.random.default_rng(0).random(kernel.shape) < 0.5] = 0.0
+    float_layer.kernel.assign(kernel)
+    qat = kp.quantize_aware(model)
+    layer = qat.get_layer(float_layer.name)
+    assert type(layer).__name__ == f"Quantized{kind}"
+    assert keras.saving.get_registered_name(type(layer)) == f"keras_perf>Quantized{kind}"
+    assert set(layer.get_config()) == set(float_layer.get_config()) | {
+        "weight_bits",
+        "per_channel",
+        "sparsity_mask",
+        "activation_quantizer",
+    }
+    np.testing.assert_array_equal(np_(layer.kernel_mask), (kernel != 0).astype("float32"))
+    layer.kernel.assign(np.where(kernel == 0, 0.5, kernel))  # only the mask keeps them at 0
+    x = np.random.default_rng(1).normal(size=(4, *shape)).astype("float32")
+    qat.save(tmp_path / "q.keras")
+    loaded = keras.saving.load_model(tmp_path / "q.keras")
+    np.testing.assert_array_equal(
+        np_(loaded.get_layer(layer.name).kernel_mask), np_(layer.kernel_mask)
+    )
+    np.testing.assert_array_equal(np_(loaded(x)), np_(qat(x)))
+
+
 class _Interrupt(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if epoch == 1:

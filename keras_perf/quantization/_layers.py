@@ -63,6 +63,18 @@ class QuantizedKernelMixin:
             "activation_quantizer": self.activation_quantizer,
         }
 
+    def save_own_variables(self, store):
+        # Dense, EinsumDense and Conv save only their kernel and bias; the mask goes after them
+        # (DepthwiseConv2D saves every variable, the mask last, already).
+        super().save_own_variables(store)
+        if self.kernel_mask is not None and len(store.keys()) < len(self.variables):
+            store[str(len(store.keys()))] = self.kernel_mask
+
+    def load_own_variables(self, store):
+        super().load_own_variables(store)
+        if self.kernel_mask is not None:
+            self.kernel_mask.assign(store[str(len(store.keys()) - 1)])
+
     def channel_axes(self):
         """Axes of the kernel that index output channels (`None`: per-tensor)."""
         if not self.per_channel:

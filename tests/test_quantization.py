@@ -7,6 +7,7 @@ import pytest
 import keras_perf as kp
 from keras_perf.quantization import ActivationQuantizer, QuantizedConv2D, QuantizedDense
 from keras_perf.quantization._quantizers import fake_quant_kernel
+from tests import models
 
 BACKEND = keras.backend.backend()
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -25,9 +26,7 @@ def cnn(seed=0):
 
 
 def mlp():
-    return keras.Sequential(
-        [keras.Input((8,)), keras.layers.Dense(6, activation="relu"), keras.layers.Dense(3)]
-    )
+    return models.mlp([6], 8, 3)
 
 
 def images(digits):
@@ -234,15 +233,6 @@ def test_report():
 # ---------------------------------------------------------------------------------------------
 
 
-class Subclassed(keras.Model):
-    def __init__(self):
-        super().__init__()
-        self.d = keras.layers.Dense(3)
-
-    def call(self, x):
-        return self.d(x)
-
-
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
@@ -265,7 +255,7 @@ def test_bad_arguments(kwargs, error, match):
 def test_bad_models():
     with pytest.raises(ValueError, match="nothing to quantize"):
         kp.quantize_aware(keras.Sequential([keras.Input((4,)), keras.layers.ReLU()]))
-    sub = Subclassed()
+    sub = models.OneDense(3, name="subclassed")
     sub(np.zeros((1, 4), "float32"))
     with pytest.raises(ValueError, match="subclassed model.*functional API"):
         kp.quantize_aware(sub)

@@ -180,6 +180,62 @@ def digits():
     return load_digits_split(seed=0, sizes=(1437,))
 
 
+def mlp(
+    widths,
+    inputs: int = 64,
+    classes: int = 10,
+    *,
+    seed: int | None = None,
+    name: str | None = None,
+    functional: bool = False,
+    optimizer=None,
+    metrics=None,
+    keras_module=None,
+):
+    """An MLP `inputs`-`widths`...-`classes` of Dense layers, ReLU between, logits out.
+
+    Args:
+        widths: Units of the hidden layers, in order.
+        inputs: Input features. Defaults to `64` (digits).
+        classes: Units of the output layer (no activation). Defaults to `10`.
+        seed: If not `None`, `keras.utils.set_random_seed(seed)` before the layers are made.
+        name: The model's name (`None`: Keras's default).
+        functional: `True` builds a functional `Model` (`Input` to logits), `False` a
+            `Sequential`.
+        optimizer: If not `None`, the model is compiled by `compile_sce` with it.
+        metrics: Passed to `compile_sce` (with `optimizer` only).
+        keras_module: The Keras to build with (`tf_keras` for the legacy references); `None`:
+            `keras`.
+    """
+    k = keras_module
+    if k is None:
+        import keras as k
+    if seed is not None:
+        k.utils.set_random_seed(seed)
+    dense = [k.layers.Dense(w, activation="relu") for w in widths] + [k.layers.Dense(classes)]
+    if functional:
+        inp = k.Input((inputs,))
+        h = inp
+        for layer in dense:
+            h = layer(h)
+        model = k.Model(inp, h, **({"name": name} if name else {}))
+    else:
+        model = k.Sequential([k.Input((inputs,)), *dense], name=name)
+    if optimizer is not None:
+        compile_sce(model, optimizer, metrics, keras_module=k)
+    return model
+
+
+def compile_sce(model, optimizer, metrics=None, keras_module=None):
+    """Compile `model` with `optimizer` and sparse categorical cross-entropy on logits."""
+    k = keras_module
+    if k is None:
+        import keras as k
+    kwargs = {} if metrics is None else {"metrics": metrics}
+    model.compile(optimizer, k.losses.SparseCategoricalCrossentropy(from_logits=True), **kwargs)
+    return model
+
+
 def finish(rows: list[dict], args: argparse.Namespace) -> None:
     """Print the rows as a table; write them to `--json` if given."""
     for r in rows:

@@ -47,6 +47,7 @@ import weakref  # noqa: E402
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from _harness import compile_sce, mlp  # noqa: E402
 
 import keras_perf as kp  # noqa: E402
 
@@ -58,15 +59,9 @@ WHAT = {
 
 
 def _model(microbatches: int) -> keras.Model:
-    keras.utils.set_random_seed(0)
-    inp = keras.Input((784,))
-    h = keras.layers.Dense(1024, activation="relu")(inp)
-    h = keras.layers.Dense(1024, activation="relu")(h)
-    model = kp.loss_scaled(keras.Model(inp, keras.layers.Dense(10)(h)), microbatches=microbatches)
-    model.compile(
-        keras.optimizers.Adam(1e-3), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    )
-    return model
+    model = mlp([1024, 1024], 784, seed=0, functional=True)
+    model = kp.loss_scaled(model, microbatches=microbatches)
+    return compile_sce(model, keras.optimizers.Adam(1e-3))
 
 
 def _data(batch: int):

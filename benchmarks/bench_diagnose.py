@@ -21,6 +21,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _harness  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 from _harness import digits, finish, parse_args, row  # noqa: E402
@@ -48,13 +49,7 @@ class Sleepy(keras.utils.PyDataset):
 
 
 def mlp(sizes, optimizer="adam"):
-    keras.utils.set_random_seed(0)
-    layers = [keras.Input((sizes[0],))]
-    layers += [keras.layers.Dense(n, activation="relu") for n in sizes[1:-1]]
-    layers.append(keras.layers.Dense(sizes[-1]))
-    model = keras.Sequential(layers)
-    model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    return model
+    return _harness.mlp(sizes[1:-1], sizes[0], sizes[-1], seed=0, optimizer=optimizer)
 
 
 def cases(quick):

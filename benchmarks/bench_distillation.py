@@ -39,8 +39,7 @@ T, ALPHA, BATCH = 3.0, 0.7, 256
 
 
 def mlp(widths, name):
-    layers = [keras.Input((784,))] + [keras.layers.Dense(w, activation="relu") for w in widths]
-    return keras.Sequential(layers + [keras.layers.Dense(10)], name=name)
+    return _harness.mlp(widths, 784, name=name)
 
 
 def hand_loss(t_logits, s_logits, y):

@@ -14,12 +14,11 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._harness import abba, finish, parse_args, row, summarize  # noqa: E402
+from benchmarks._harness import abba, finish, mlp, parse_args, row, summarize  # noqa: E402
 
 
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
-    import keras
     import numpy as np
 
     import keras_perf as kp
@@ -29,17 +28,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     x = rng.random((steps * batch, 64), dtype=np.float32)
     y = rng.integers(0, 10, steps * batch)
-    model = keras.Sequential(
-        [
-            keras.Input((64,)),
-            keras.layers.Dense(256, activation="relu"),
-            keras.layers.Dense(256, activation="relu"),
-            keras.layers.Dense(10),
-        ]
-    )
-    model.compile(
-        "adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"]
-    )
+    model = mlp([256, 256], optimizer="adam", metrics=["accuracy"])
     tmp = tempfile.mkdtemp()
     mon = kp.TrainingMonitor(log_path=os.path.join(tmp, "bench.jsonl"))
 

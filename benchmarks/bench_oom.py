@@ -20,6 +20,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _harness  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 from _harness import abba, finish, parse_args, row, timed  # noqa: E402
@@ -28,19 +29,7 @@ import keras_perf as kp  # noqa: E402
 
 
 def mlp(seed=0):
-    keras.utils.set_random_seed(seed)
-    model = keras.Sequential(
-        [
-            keras.Input((256,)),
-            keras.layers.Dense(1024, activation="relu"),
-            keras.layers.Dense(768, activation="relu"),
-            keras.layers.Dense(10),
-        ]
-    )
-    model.compile(
-        keras.optimizers.Adam(1e-3), keras.losses.SparseCategoricalCrossentropy(from_logits=True)
-    )
-    return model
+    return _harness.mlp([1024, 768], 256, seed=seed, optimizer=keras.optimizers.Adam(1e-3))
 
 
 class OOMAtFirstStep(keras.callbacks.Callback):

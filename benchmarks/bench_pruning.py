@@ -32,7 +32,7 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-from _harness import abba, finish, interleaved, one_step, parse_args, row  # noqa: E402
+from _harness import abba, compile_sce, finish, interleaved, mlp, one_step, parse_args, row  # noqa: E402
 
 import keras_perf as kp  # noqa: E402
 from keras_perf.data import load_digits_split  # noqa: E402
@@ -65,44 +65,21 @@ def active_phase():
 
 
 def keras3_model():
-    model = keras.Sequential(
-        [
-            keras.Input((64,)),
-            keras.layers.Dense(HIDDEN, activation="relu"),
-            keras.layers.Dense(HIDDEN, activation="relu"),
-            keras.layers.Dense(10),
-        ]
-    )
-    model.compile(
-        keras.optimizers.Adam(1e-3),
-        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
-    return model
+    return mlp([HIDDEN, HIDDEN], optimizer=keras.optimizers.Adam(1e-3), metrics=["accuracy"])
 
 
 def tf_keras_model():
     """The same MLP under legacy tf_keras (uncompiled: see `tf_keras_compile`)."""
     import tf_keras
 
-    model = tf_keras.Sequential(
-        [tf_keras.Input((64,))]
-        + [tf_keras.layers.Dense(HIDDEN, activation="relu") for _ in range(2)]
-        + [tf_keras.layers.Dense(10)]
-    )
-    return model
+    return mlp([HIDDEN, HIDDEN], keras_module=tf_keras)
 
 
 def tf_keras_compile(model):
     """Compile a tf_keras model as `keras3_model` compiles its Keras 3 twin."""
     import tf_keras
 
-    model.compile(
-        tf_keras.optimizers.Adam(1e-3),
-        tf_keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
-    return model
+    return compile_sce(model, tf_keras.optimizers.Adam(1e-3), ["accuracy"], keras_module=tf_keras)
 
 
 def tfmot_model(schedule_args):

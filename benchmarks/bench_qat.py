@@ -224,26 +224,26 @@ def tf_keras_step(model, x, y):
     return run
 
 
+def step_row(plain, quantized, step, xb, yb, steps, claim, target):
+    """Warm both models up, then time their single steps interleaved; one row."""
+    for m in (plain, quantized):
+        m.fit(xb, yb, epochs=2, verbose=0)
+    a, b = step(plain, xb, yb), step(quantized, xb, yb)
+    for _ in range(5):
+        a(), b()
+    res = interleaved(a, b, steps)
+    note = f"float step {res['step_cpu_ms']:.2f} ms CPU, {res['step_ms']:.2f} ms wall"
+    return row(claim, res, target, note=note)
+
+
 def step_rows(x, y, steps):
     xb, yb = x[:BATCH], y[:BATCH]
     rows = []
     for size in SIZES:
         plain = compile_(cnn(keras.layers, 0, size))
         qat = compile_(kp.quantize_aware(cnn(keras.layers, 0, size)))
-        for m in (plain, qat):
-            m.fit(xb, yb, epochs=2, verbose=0)
-        a, b = one_step(plain, xb, yb), one_step(qat, xb, yb)
-        for _ in range(5):
-            a(), b()
-        res = interleaved(a, b, steps)
-        rows.append(
-            row(
-                f"QAT step / float step, ours (CNN {size}, batch 32)",
-                res,
-                "<= 1.5",
-                note=f"float step {res['step_cpu_ms']:.2f} ms CPU, {res['step_ms']:.2f} ms wall",
-            )
-        )
+        claim = f"QAT step / float step, ours (CNN {size}, batch 32)"
+        rows.append(step_row(plain, qat, one_step, xb, yb, steps, claim, "<= 1.5"))
         if keras.backend.backend() != "tensorflow":
             continue
         import tensorflow_model_optimization as tfmot
@@ -251,20 +251,8 @@ def step_rows(x, y, steps):
         tfk = _tf_keras()
         plain = compile_(cnn(tfk.layers, 0, size), k=tfk)
         tq = compile_(tfmot.quantization.keras.quantize_model(cnn(tfk.layers, 0, size)), k=tfk)
-        for m in (plain, tq):
-            m.fit(xb, yb, epochs=2, verbose=0)
-        a, b = tf_keras_step(plain, xb, yb), tf_keras_step(tq, xb, yb)
-        for _ in range(5):
-            a(), b()
-        res = interleaved(a, b, steps)
-        rows.append(
-            row(
-                f"(reference) tfmot QAT step / tf_keras float step (CNN {size}, batch 32)",
-                res,
-                "-",
-                note=f"float step {res['step_cpu_ms']:.2f} ms CPU, {res['step_ms']:.2f} ms wall",
-            )
-        )
+        claim = f"(reference) tfmot QAT step / tf_keras float step (CNN {size}, batch 32)"
+        rows.append(step_row(plain, tq, tf_keras_step, xb, yb, steps, claim, "-"))
     return rows
 
 

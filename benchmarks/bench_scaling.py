@@ -70,16 +70,8 @@ def child(backend: str, quick: bool) -> list[dict]:
     y = rng.integers(0, 10, n)
 
     def build():
-        keras.utils.set_random_seed(0)
-        inp = keras.Input((784,))
-        h = keras.layers.Dense(512, activation="relu")(inp)
-        h = keras.layers.Dense(512, activation="relu")(h)
-        model = kp.loss_scaled(keras.Model(inp, keras.layers.Dense(10)(h)))
-        model.compile(
-            keras.optimizers.Adam(1e-3),
-            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        )
-        return model
+        model = kp.loss_scaled(_harness.mlp([512, 512], 784, seed=0, functional=True))
+        return _harness.compile_sce(model, keras.optimizers.Adam(1e-3))
 
     one = build()
     with two_devices():

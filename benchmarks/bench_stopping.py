@@ -39,21 +39,9 @@ digits = _harness.digits
 
 
 def model() -> keras.Model:
-    keras.utils.set_random_seed(0)
-    m = keras.Sequential(
-        [
-            keras.Input((64,)),
-            keras.layers.Dense(256, activation="relu"),
-            keras.layers.Dense(256, activation="relu"),
-            keras.layers.Dense(10),
-        ]
+    return _harness.mlp(
+        [256, 256], seed=0, optimizer=keras.optimizers.Adam(1e-3), metrics=["accuracy"]
     )
-    m.compile(
-        keras.optimizers.Adam(1e-3),
-        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        metrics=["accuracy"],
-    )
-    return m
 
 
 def fitter(m, data, epochs, make_callbacks):

@@ -57,11 +57,7 @@ from keras_perf import backend as kb  # noqa: E402
 
 
 def mlp(width: int = 1024, depth: int = 2, inputs: int = 784) -> keras.Model:
-    inp = keras.Input((inputs,))
-    h = inp
-    for _ in range(depth):
-        h = keras.layers.Dense(width, activation="relu")(h)
-    return keras.Model(inp, keras.layers.Dense(10)(h))
+    return _harness.mlp([width] * depth, inputs, functional=True)
 
 
 def cnn() -> keras.Model:
@@ -75,11 +71,7 @@ def cnn() -> keras.Model:
 
 
 def compiled(model: keras.Model) -> keras.Model:
-    model.compile(
-        keras.optimizers.Adam(1e-3),
-        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-    )
-    return model
+    return _harness.compile_sce(model, keras.optimizers.Adam(1e-3))
 
 
 def epoch(model, x, y, batch_size):

@@ -39,18 +39,7 @@ def main() -> None:
 
     keras.utils.set_random_seed(0)
     (x, y), (xv, yv) = digits()
-    model = keras.Sequential(
-        [
-            keras.Input((64,)),
-            keras.layers.Dense(128, activation="relu"),
-            keras.layers.Dense(64, activation="relu"),
-            keras.layers.Dense(10),
-        ]
-    )
-    model.compile(
-        optimizer=keras.optimizers.Adam(1e-3),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-    )
+    model = _harness.mlp([128, 64], optimizer=keras.optimizers.Adam(1e-3))
     model.fit(x, y, batch_size=64, epochs=30, verbose=0)
     logits = model.predict(xv, verbose=0)
     keras_acc = float(np.mean(logits.argmax(1) == yv))

@@ -42,10 +42,7 @@ digits = _harness.digits
 
 
 def mlp(widths, name):
-    layers = [keras.Input((64,))]
-    layers += [keras.layers.Dense(w, activation="relu") for w in widths]
-    layers.append(keras.layers.Dense(10))
-    return keras.Sequential(layers, name=name)
+    return _harness.mlp(widths, name=name)
 
 
 def accuracy(model, x, y):

@@ -58,6 +58,62 @@ class Arch:
         return {"loss": keras.losses.SparseCategoricalCrossentropy(from_logits=not self.softmax)}
 
 
+# -- small MLPs and a one-layer subclassed model (the unit tests' own models) ----------------
+def mlp(
+    widths=(16,),
+    inputs=64,
+    classes=10,
+    *,
+    activation="relu",
+    seed=None,
+    name=None,
+    hidden_names=None,
+    out_name=None,
+    out_activation=None,
+    functional=False,
+    **out_kwargs,
+):
+    """An uncompiled MLP: `Input((inputs,))`, `Dense(w, activation)` per width, `Dense(classes)`.
+
+    Args:
+        widths: Units of the hidden layers. Defaults to `(16,)`.
+        inputs: Input features. Defaults to `64` (digits).
+        classes: Units of the output layer. Defaults to `10`.
+        activation: Activation of the hidden layers. Defaults to `"relu"`.
+        seed: If not `None`, `keras.utils.set_random_seed(seed)` before the layers are made.
+        name: The model's name (`None`: Keras's default).
+        hidden_names: Names of the hidden layers (`None`: Keras's defaults).
+        out_name: Name of the output layer (`None`: Keras's default).
+        out_activation: Activation of the output layer. Defaults to `None` (logits).
+        functional: `True` builds a functional `keras.Model`, `False` a `keras.Sequential`.
+        **out_kwargs: Further arguments of the output `Dense` (`dtype`, ...).
+    """
+    if seed is not None:
+        keras.utils.set_random_seed(seed)
+    names = hidden_names if hidden_names is not None else [None] * len(widths)
+    layers = [keras.layers.Dense(w, activation=activation, name=n) for w, n in zip(widths, names)]
+    layers.append(
+        keras.layers.Dense(classes, activation=out_activation, name=out_name, **out_kwargs)
+    )
+    if not functional:
+        return keras.Sequential([keras.Input((inputs,)), *layers], name=name)
+    inp = h = keras.Input((inputs,))
+    for layer in layers:
+        h = layer(h)
+    return keras.Model(inp, h, name=name)
+
+
+class OneDense(keras.Model):
+    """A subclassed model of one `Dense(units)`, unbuilt until first called."""
+
+    def __init__(self, units=3, name=None):
+        super().__init__(name=name)
+        self.d = keras.layers.Dense(units)
+
+    def call(self, x):
+        return self.d(x)
+
+
 # -- keras.applications ----------------------------------------------------------------------
 def mobilenet_v2(bases=(keras.Model,)):
     return keras.applications.MobileNetV2(

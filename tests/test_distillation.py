@@ -8,15 +8,21 @@ import pytest
 from keras import ops
 
 import keras_perf as kp
+from tests import models
 
 
 def mlp(widths, classes=10, inputs=64, name=None, activation=None, **dense_kwargs):
-    layers = [keras.Input((inputs,))]
-    layers += [
-        keras.layers.Dense(w, activation="relu", name=f"hidden{i}") for i, w in enumerate(widths)
-    ]
-    layers.append(keras.layers.Dense(classes, activation=activation, name="out", **dense_kwargs))
-    return keras.Sequential(layers, name=name)
+    hidden_names = [f"hidden{i}" for i in range(len(widths))]
+    return models.mlp(
+        widths,
+        inputs,
+        classes,
+        name=name,
+        hidden_names=hidden_names,
+        out_name="out",
+        out_activation=activation,
+        **dense_kwargs,
+    )
 
 
 def np_log_softmax(z):

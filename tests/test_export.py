@@ -15,6 +15,7 @@ import pytest
 
 import keras_perf as kp
 from keras_perf.export import _convert
+from tests import models
 
 BACKEND = keras.backend.backend()
 MODES = [None, "dynamic", "float16", "int8"]
@@ -22,9 +23,7 @@ AGREEMENT = {None: 0.99, "dynamic": 0.99, "float16": 0.99, "int8": 0.95}
 
 
 def _mlp(hidden=32):
-    return keras.Sequential(
-        [keras.Input((64,)), keras.layers.Dense(hidden, activation="relu"), keras.layers.Dense(10)]
-    )
+    return models.mlp([hidden])
 
 
 @pytest.fixture(scope="module")
@@ -459,17 +458,9 @@ def test_unwritable_directory_is_refused_before_converting(monkeypatch):
 
 
 def test_unbuilt_subclassed_model_and_bad_quantization(tmp_path, monkeypatch):
-    class Net(keras.Model):
-        def __init__(self):
-            super().__init__()
-            self.dense = keras.layers.Dense(3)
-
-        def call(self, x):
-            return self.dense(x)
-
     _no_conversion(monkeypatch)
     with pytest.raises(ValueError, match="not built"):
-        kp.export_tflite(Net(), tmp_path / "m.tflite")
+        kp.export_tflite(models.OneDense(3, name="net"), tmp_path / "m.tflite")
     with pytest.raises(ValueError, match="`quantization` must be one of None, 'dynamic'"):
         kp.export_tflite(_mlp(), tmp_path / "m.tflite", "INT8")
     with pytest.raises(TypeError, match="`quantization` must be None or one of"):

@@ -4,6 +4,7 @@ import keras
 import pytest
 
 import keras_perf as kp
+from tests import models
 
 
 def test_mlp_is_six_times_its_kernel_parameters():
@@ -40,15 +41,7 @@ def test_unknown_layers_and_subclassed_models_give_none():
     rnn = keras.Sequential([keras.Input((5, 3)), keras.layers.LSTM(4), keras.layers.Dense(1)])
     assert kp.estimate_flops_per_example(rnn) is None
 
-    class Sub(keras.Model):
-        def __init__(self):
-            super().__init__()
-            self.d = keras.layers.Dense(2)
-
-        def call(self, x):
-            return self.d(x)
-
-    sub = Sub()
+    sub = models.OneDense(2, name="sub")
     sub(keras.ops.ones((1, 3)))
     assert kp.estimate_flops_per_example(sub) is None
 

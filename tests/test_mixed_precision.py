@@ -3,6 +3,7 @@ import pytest
 
 import keras_perf as kp
 from keras_perf.mixed_precision import auto_policy
+from tests import models
 
 
 def test_auto_on_cpu_is_float32():
@@ -46,10 +47,9 @@ def test_bad_policy_names_the_argument():
 
 
 def _mlp(output_dtype=None):
-    inputs = keras.Input((8,))
-    x = keras.layers.Dense(16, activation="relu")(inputs)
-    outputs = keras.layers.Dense(4, activation="softmax", dtype=output_dtype, name="probs")(x)
-    return keras.Model(inputs, outputs)
+    return models.mlp(
+        [16], 8, 4, out_activation="softmax", out_name="probs", functional=True, dtype=output_dtype
+    )
 
 
 def test_float16_softmax_output_is_found():

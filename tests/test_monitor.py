@@ -14,6 +14,7 @@ import pytest
 import keras_perf as kp
 from keras_perf._tensorboard import ScalarWriter
 from keras_perf.monitor import MONITOR_KEYS, EpochMeter
+from tests import models
 
 BACKEND = keras.backend.backend()
 
@@ -34,9 +35,7 @@ def _read_scalars(folder):
 
 
 def _mlp(spe=1, optimizer="adam"):
-    model = keras.Sequential(
-        [keras.Input((64,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(10)]
-    )
+    model = models.mlp([16])
     model.compile(
         optimizer,
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),

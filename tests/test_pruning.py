@@ -8,6 +8,7 @@ import pytest
 
 import keras_perf as kp
 from keras_perf.pruning import _magnitude_masks, _MaskConstraint, _select
+from tests import models
 
 # --------------------------------------------------------------------------------------------
 # helpers
@@ -15,15 +16,7 @@ from keras_perf.pruning import _magnitude_masks, _MaskConstraint, _select
 
 
 def mlp(hidden=32, name=None):
-    model = keras.Sequential(
-        [
-            keras.Input((64,)),
-            keras.layers.Dense(hidden, activation="relu", name="hidden"),
-            keras.layers.Dense(10, name="logits"),
-        ],
-        name=name,
-    )
-    return model
+    return models.mlp([hidden], name=name, hidden_names=["hidden"], out_name="logits")
 
 
 def compile_(model, optimizer=None):

@@ -7,6 +7,7 @@ import pytest
 import keras_perf as kp
 from keras_perf.quantization import ActivationQuantizer, QuantizedConv2D, QuantizedDense
 from keras_perf.quantization._quantizers import fake_quant_kernel
+from tests import models
 
 BACKEND = keras.backend.backend()
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -25,9 +26,7 @@ def cnn(seed=0):
 
 
 def mlp():
-    return keras.Sequential(
-        [keras.Input((8,)), keras.layers.Dense(6, activation="relu"), keras.layers.Dense(3)]
-    )
+    return models.mlp([6], 8, 3)
 
 
 def images(digits):
@@ -234,15 +233,6 @@ def test_report():
 # ---------------------------------------------------------------------------------------------
 
 
-class Subclassed(keras.Model):
-    def __init__(self):
-        super().__init__()
-        self.d = keras.layers.Dense(3)
-
-    def call(self, x):
-        return self.d(x)
-
-
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
@@ -265,7 +255,7 @@ def test_bad_arguments(kwargs, error, match):
 def test_bad_models():
     with pytest.raises(ValueError, match="nothing to quantize"):
         kp.quantize_aware(keras.Sequential([keras.Input((4,)), keras.layers.ReLU()]))
-    sub = Subclassed()
+    sub = models.OneDense(3, name="subclassed")
     sub(np.zeros((1, 4), "float32"))
     with pytest.raises(ValueError, match="subclassed model.*functional API"):
         kp.quantize_aware(sub)
@@ -350,6 +340,47 @@ def test_save_load_round_trip_keeps_ranges(tmp_path, digits):
         assert float(np_(q.min)) != -6.0 or float(np_(q.max)) != 6.0  # learned, not initial
     assert loaded.get_layer("conv2d").weight_bits == 4
     np.testing.assert_array_equal(loaded.predict(xv, verbose=0), qat.predict(xv, verbose=0))
+
+
+QUANTIZED_LAYERS = [
+    ("Dense", (6,), lambda: keras.layers.Dense(4, activation="relu")),
+    ("EinsumDense", (3, 6), lambda: keras.layers.EinsumDense("abc,cd->abd", (3, 4), bias_axes="d")),
+    ("Conv1D", (6, 2), lambda: keras.layers.Conv1D(3, 3, padding="causal")),
+    ("Conv2D", (5, 5, 2), lambda: keras.layers.Conv2D(3, 3, activation="relu")),
+    ("Conv3D", (4, 4, 4, 2), lambda: keras.layers.Conv3D(3, 2)),
+    ("DepthwiseConv2D", (5, 5, 2), lambda: keras.layers.DepthwiseConv2D(3, depth_multiplier=2)),
+]
+
+
+@pytest.mark.parametrize(
+    "kind, shape, make", QUANTIZED_LAYERS, ids=[k[0] for k in QUANTIZED_LAYERS]
+)
+def test_each_quantized_layer_saves_and_loads_with_its_sparsity_mask(tmp_path, kind, shape, make):
+    keras.utils.set_random_seed(0)
+    float_layer = make()
+    model = keras.Sequential([keras.Input(shape), float_layer])
+    kernel = np_(float_layer.kernel)
+    kernel[np.random.default_rng(0).random(kernel.shape) < 0.5] = 0.0
+    float_layer.kernel.assign(kernel)
+    qat = kp.quantize_aware(model)
+    layer = qat.get_layer(float_layer.name)
+    assert type(layer).__name__ == f"Quantized{kind}"
+    assert keras.saving.get_registered_name(type(layer)) == f"keras_perf>Quantized{kind}"
+    assert set(layer.get_config()) == set(float_layer.get_config()) | {
+        "weight_bits",
+        "per_channel",
+        "sparsity_mask",
+        "activation_quantizer",
+    }
+    np.testing.assert_array_equal(np_(layer.kernel_mask), (kernel != 0).astype("float32"))
+    layer.kernel.assign(np.where(kernel == 0, 0.5, kernel))  # only the mask keeps them at 0
+    x = np.random.default_rng(1).normal(size=(4, *shape)).astype("float32")
+    qat.save(tmp_path / "q.keras")
+    loaded = keras.saving.load_model(tmp_path / "q.keras")
+    np.testing.assert_array_equal(
+        np_(loaded.get_layer(layer.name).kernel_mask), np_(layer.kernel_mask)
+    )
+    np.testing.assert_array_equal(np_(loaded(x)), np_(qat(x)))
 
 
 class _Interrupt(keras.callbacks.Callback):

@@ -14,6 +14,7 @@ import pytest
 
 import keras_perf as kp
 from keras_perf import time_limit
+from tests import models
 
 BACKEND = keras.backend.backend()
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -406,10 +407,7 @@ def data(digits):
 
 
 def _model(lr=0.05, optimizer="sgd"):
-    keras.utils.set_random_seed(3)
-    model = keras.Sequential(
-        [keras.Input((64,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(10)]
-    )
+    model = models.mlp([16], seed=3)
     opt = keras.optimizers.SGD(lr) if optimizer == "sgd" else keras.optimizers.Adam(lr)
     model.compile(
         opt, keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"]

@@ -12,16 +12,14 @@ import numpy as np
 import pytest
 
 import keras_perf as kp
+from tests import models
 
 BACKEND = keras.backend.backend()
 SCE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
 def _mlp(seed=0, n_in=6, n_out=3):
-    keras.utils.set_random_seed(seed)
-    return keras.Sequential(
-        [keras.Input((n_in,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(n_out)]
-    )
+    return models.mlp([8], n_in, n_out, activation="tanh", seed=seed)
 
 
 def _cnn(seed=0):
@@ -289,14 +287,7 @@ def test_clipnorm_update_equals_hand_computed_clipped_update():
 
 def _fp16_model(growth=2000):
     keras.mixed_precision.set_global_policy("mixed_float16")
-    keras.utils.set_random_seed(0)
-    base = keras.Sequential(
-        [
-            keras.Input((6,)),
-            keras.layers.Dense(16, activation="relu"),
-            keras.layers.Dense(3, dtype="float32"),
-        ]
-    )
+    base = models.mlp([16], 6, 3, seed=0, dtype="float32")
     model = kp.loss_scaled(base, dynamic_growth_steps=growth)
     model.compile(keras.optimizers.Adam(0.01), SCE)
     return model
@@ -373,14 +364,7 @@ def test_overflow_injected_during_fit_on_digits_still_converges(digits):
     (x, y), (xt, yt) = digits
     x, y = x[:640], y[:640]
     keras.mixed_precision.set_global_policy("mixed_float16")
-    keras.utils.set_random_seed(0)
-    base = keras.Sequential(
-        [
-            keras.Input((64,)),
-            keras.layers.Dense(64, activation="relu"),
-            keras.layers.Dense(10, dtype="float32"),
-        ]
-    )
+    base = models.mlp([64], 64, 10, seed=0, dtype="float32")
     model = kp.loss_scaled(base, microbatches=2)
     model.compile(keras.optimizers.Adam(0.01), SCE, metrics=["accuracy"])
     sw = np.ones(len(x), "float32")

@@ -23,9 +23,18 @@ EXPORT_KERNELS: dict[int, object] = {}
 
 
 class QuantizedKernelMixin:
-    """What the quantized kernel layers share: config, mask, the quantized kernel."""
+    """What the quantized kernel layers share: config, mask, the quantized kernel.
 
-    def _init_quantization(self, weight_bits, per_channel, sparsity_mask, activation_quantizer):
+    Listed first in each quantized class's bases, so its `__init__`, `build` and `get_config`
+    wrap those of the float layer class it is mixed into.
+    """
+
+    def __init__(self, *args, **kwargs):
+        weight_bits = kwargs.pop("weight_bits", 8)
+        per_channel = kwargs.pop("per_channel", True)
+        sparsity_mask = kwargs.pop("sparsity_mask", False)
+        activation_quantizer = kwargs.pop("activation_quantizer", None)
+        super().__init__(*args, **kwargs)
         self.weight_bits = check_bits("weight_bits", weight_bits, WEIGHT_BITS)
         self.per_channel = bool(per_channel)
         self.sparsity_mask = bool(sparsity_mask)
@@ -33,7 +42,8 @@ class QuantizedKernelMixin:
         self.activation_quantizer = activation_quantizer
         self.kernel_mask = None
 
-    def _build_mask(self):
+    def build(self, input_shape):
+        super().build(input_shape)
         if self.sparsity_mask:
             self.kernel_mask = self.add_weight(
                 shape=self.kernel.shape,
@@ -43,6 +53,27 @@ class QuantizedKernelMixin:
                 dtype=self.kernel.dtype,
                 autocast=False,
             )
+
+    def get_config(self):
+        return {
+            **super().get_config(),
+            "weight_bits": self.weight_bits,
+            "per_channel": self.per_channel,
+            "sparsity_mask": self.sparsity_mask,
+            "activation_quantizer": self.activation_quantizer,
+        }
+
+    def save_own_variables(self, store):
+        # Dense, EinsumDense and Conv save only their kernel and bias; the mask goes after them
+        # (DepthwiseConv2D saves every variable, the mask last, already).
+        super().save_own_variables(store)
+        if self.kernel_mask is not None and len(store.keys()) < len(self.variables):
+            store[str(len(store.keys()))] = self.kernel_mask
+
+    def load_own_variables(self, store):
+        super().load_own_variables(store)
+        if self.kernel_mask is not None:
+            self.kernel_mask.assign(store[str(len(store.keys()) - 1)])
 
     def channel_axes(self):
         """Axes of the kernel that index output channels (`None`: per-tensor)."""
@@ -63,41 +94,15 @@ class QuantizedKernelMixin:
             return ops.convert_to_tensor(constant)
         return fake_quant_kernel(self.masked_kernel(), self.weight_bits, self.channel_axes())
 
-    def _quantization_config(self):
-        return {
-            "weight_bits": self.weight_bits,
-            "per_channel": self.per_channel,
-            "sparsity_mask": self.sparsity_mask,
-            "activation_quantizer": self.activation_quantizer,
-        }
-
     def _finish(self, x):
         if self.activation is not None:
             x = self.activation(x)
         return x
 
 
-def _pop(kwargs):
-    return (
-        kwargs.pop("weight_bits", 8),
-        kwargs.pop("per_channel", True),
-        kwargs.pop("sparsity_mask", False),
-        kwargs.pop("activation_quantizer", None),
-    )
-
-
 @keras.saving.register_keras_serializable(package="keras_perf")
 class QuantizedDense(QuantizedKernelMixin, keras.layers.Dense):
     """`keras.layers.Dense` with a fake-quantized kernel (see `kp.quantize_aware`)."""
-
-    def __init__(self, *args, **kwargs):
-        q = _pop(kwargs)
-        super().__init__(*args, **kwargs)
-        self._init_quantization(*q)
-
-    def build(self, input_shape):
-        super().build(input_shape)
-        self._build_mask()
 
     def call(self, inputs, training=None):
         x = ops.matmul(inputs, self.quantized_kernel())
@@ -105,22 +110,10 @@ class QuantizedDense(QuantizedKernelMixin, keras.layers.Dense):
             x = ops.add(x, self.bias)
         return self._finish(x)
 
-    def get_config(self):
-        return {**super().get_config(), **self._quantization_config()}
-
 
 @keras.saving.register_keras_serializable(package="keras_perf")
 class QuantizedEinsumDense(QuantizedKernelMixin, keras.layers.EinsumDense):
     """`keras.layers.EinsumDense` with a fake-quantized kernel (per channel: its last axis)."""
-
-    def __init__(self, *args, **kwargs):
-        q = _pop(kwargs)
-        super().__init__(*args, **kwargs)
-        self._init_quantization(*q)
-
-    def build(self, input_shape):
-        super().build(input_shape)
-        self._build_mask()
 
     def call(self, inputs, training=None):
         x = ops.einsum(self.equation, inputs, self.quantized_kernel())
@@ -128,20 +121,8 @@ class QuantizedEinsumDense(QuantizedKernelMixin, keras.layers.EinsumDense):
             x = ops.add(x, self.bias)
         return self._finish(x)
 
-    def get_config(self):
-        return {**super().get_config(), **self._quantization_config()}
-
 
 class _QuantizedConvMixin(QuantizedKernelMixin):
-    def __init__(self, *args, **kwargs):
-        q = _pop(kwargs)
-        super().__init__(*args, **kwargs)
-        self._init_quantization(*q)
-
-    def build(self, input_shape):
-        super().build(input_shape)
-        self._build_mask()
-
     def _conv(self, inputs, kernel):
         if self.padding == "causal":  # Conv1D only: pad on the left, then "valid".
             left = self.dilation_rate[0] * (self.kernel_size[0] - 1)
@@ -172,9 +153,6 @@ class _QuantizedConvMixin(QuantizedKernelMixin):
         x = self._conv(inputs, self.quantized_kernel())
         return self._finish(self._bias(x, self.filters))
 
-    def get_config(self):
-        return {**super().get_config(), **self._quantization_config()}
-
 
 @keras.saving.register_keras_serializable(package="keras_perf")
 class QuantizedConv1D(_QuantizedConvMixin, keras.layers.Conv1D):
@@ -192,18 +170,9 @@ class QuantizedConv3D(_QuantizedConvMixin, keras.layers.Conv3D):
 
 
 @keras.saving.register_keras_serializable(package="keras_perf")
-class QuantizedDepthwiseConv2D(QuantizedKernelMixin, keras.layers.DepthwiseConv2D):
+class QuantizedDepthwiseConv2D(_QuantizedConvMixin, keras.layers.DepthwiseConv2D):
     """`keras.layers.DepthwiseConv2D` with a fake-quantized kernel; its channels are
     input channel x multiplier (the last two kernel axes), as TFLite quantizes them."""
-
-    def __init__(self, *args, **kwargs):
-        q = _pop(kwargs)
-        super().__init__(*args, **kwargs)
-        self._init_quantization(*q)
-
-    def build(self, input_shape):
-        super().build(input_shape)
-        self._build_mask()
 
     def channel_axes(self):
         if not self.per_channel:
@@ -220,17 +189,7 @@ class QuantizedDepthwiseConv2D(QuantizedKernelMixin, keras.layers.DepthwiseConv2
             dilation_rate=self.dilation_rate,
             data_format=self.data_format,
         )
-        if self.use_bias:
-            channels = self.kernel.shape[-2] * self.kernel.shape[-1]
-            if self.data_format == "channels_last":
-                shape = (1,) * (self.rank + 1) + (channels,)
-            else:
-                shape = (1, channels) + (1,) * self.rank
-            x = ops.add(x, ops.reshape(self.bias, shape))
-        return self._finish(x)
-
-    def get_config(self):
-        return {**super().get_config(), **self._quantization_config()}
+        return self._finish(self._bias(x, self.kernel.shape[-2] * self.kernel.shape[-1]))
 
 
 # Float class -> quantized class. Exact classes only: a user's subclass of Dense may have its

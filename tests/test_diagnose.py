@@ -98,7 +98,6 @@ def test_sleeping_input_is_input_bound_and_workers_help(digits, tmp_path):
     # 4 threads sleeping in parallel: ~3-4x on TF and torch; JAX counts its end-of-fit
     # wrap-up (see docs/diagnose.md), which takes from the gain over 12 steps.
     assert workers["speedup"] > 1.1, str(d)
-    assert set(workers) == {"change", "speedup", "step_speedup", "how", "examples_per_s"}
     speedups = [w["speedup"] for w in d.what_if]
     assert speedups == sorted(speedups, reverse=True)
     if BACKEND == "torch":

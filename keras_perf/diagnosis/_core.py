@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import keras
@@ -119,17 +118,7 @@ def diagnose(model, x, y=None, batch_size=None, steps=50, max_seconds=60, what_i
         rng.restore()
 
 
-def _repeat(
-    model,
-    n,
-    slice_end,
-    deadline,
-    max_repeats=7,
-    setups=None,
-    setup=None,
-    overheads=None,
-    **fit_kwargs,
-):
+def _repeat(model, n, slice_end, deadline, max_repeats=7, setups=None, setup=None, **fit_kwargs):
     """Fastest seconds per step over `n`-step fits repeated until `slice_end` (3 to 7 times).
 
     A fit of a few dozen small steps lasts milliseconds, where one lost time slice on a busy
@@ -142,8 +131,6 @@ def _repeat(
         per_step.append(seconds / done)
         if setups is not None and clock.setup is not None:
             setups.append(clock.setup)
-        if overheads is not None:  # the part of the fit call that is not its steps
-            overheads.append(max(clock.total - seconds, 0.0))
         if clock.late:  # stopped at the deadline: the later measurements take fewer steps
             return min(per_step), done
         if time.perf_counter() > slice_end and len(per_step) >= 3:
@@ -229,9 +216,7 @@ def _measure_all(model, twin, source, steps, max_seconds, what_if, notes, t_star
             raise ValueError(f"diagnose: fit rejects this data or model: {exc}") from exc
     # The budget starts now: making the twin and the first trace do not count against it.
     trace_s = time.perf_counter() - t_start
-    # The last fit stops at its first step past the deadline, then the twin is put back:
-    # 3 % of the budget is kept for that, so the whole call stays inside `max_seconds`.
-    deadline = time.perf_counter() + 0.97 * max_seconds
+    deadline = time.perf_counter() + max_seconds
 
     def until(seconds):
         return min(time.perf_counter() + seconds, deadline)
@@ -239,16 +224,9 @@ def _measure_all(model, twin, source, steps, max_seconds, what_if, notes, t_star
     if source.kind == "tf.data" and not source.one_pass:
         _fill_tf_data_cache(source.x, until(max_seconds / 4), notes)
     setups = []  # fit's own set-up before the first batch, on the user's input as it is
-    base_overheads = []  # seconds of each fit call that are not steps (set-up, wrap-up)
     if not source.one_pass:
         together, done = _repeat(
-            twin,
-            n,
-            until(slice_s),
-            deadline,
-            setups=setups,
-            overheads=base_overheads,
-            **source.fit_kwargs(),
+            twin, n, until(slice_s), deadline, setups=setups, **source.fit_kwargs()
         )
         n = done  # every later measurement runs as many steps: the same fixed costs
         # 2. The input alone.
@@ -339,7 +317,6 @@ def _measure_all(model, twin, source, steps, max_seconds, what_if, notes, t_star
         )
         notes.extend(more_notes)
         ctx.setup = min(setups) if setups else None
-        ctx.fit_overhead = statistics.median(base_overheads) if base_overheads else None
         what_ifs = _time_changes(ctx, changes, base_step, B, deadline, max(retrace), notes)
 
     return Diagnosis(
@@ -388,15 +365,8 @@ def _time_changes(ctx, changes, base_step, B, deadline, retrace_s, notes):
             # A change to the input is timed from the start of its fit, less the set-up the
             # unchanged input needed: batches its workers queue meanwhile are not free.
             setup = ctx.setup if not change.retraces else None
-            overheads = []
             per_step, done = _repeat(
-                target,
-                n,
-                slice_end,
-                deadline,
-                setup=setup,
-                overheads=overheads,
-                **change.fit_kwargs,
+                target, n, slice_end, deadline, setup=setup, **change.fit_kwargs
             )
         except Exception as exc:  # the change does not work here: not offered
             if _backend.is_oom(exc):
@@ -411,20 +381,11 @@ def _time_changes(ctx, changes, base_step, B, deadline, retrace_s, notes):
             target.stop_training = False
             change.undo()
         per_example = per_step / change.examples_per_step
-        step_speedup = (base_step / B) / per_example
-        speedup = step_speedup
-        epoch = ctx.source.batches_per_epoch
-        if epoch and ctx.fit_overhead is not None and overheads:
-            # An epoch as `fit` runs it: its steps plus the fixed cost of the fit call (set-up,
-            # wrap-up), which a faster step does not shrink.
-            before = ctx.fit_overhead + epoch * base_step
-            after = statistics.median(overheads) + epoch * B * per_example
-            speedup = before / after
+        speedup = (base_step / B) / per_example
         results.append(
             {
                 "change": change.change,
                 "speedup": round(speedup, 3),
-                "step_speedup": round(step_speedup, 3),
                 "how": change.how,
                 "examples_per_s": round(1.0 / per_example, 1),
             }

@@ -179,7 +179,6 @@ def fit_steps(model, steps, deadline=None, setup=None, **fit_kwargs):
         model.fit(**fit_kwargs, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[clock])
         seconds = time.perf_counter() - t0
     clock.start = t0
-    clock.total = seconds  # the whole fit call: set-up, steps and wrap-up
     clock.setup = None if clock.first_begin is None else clock.first_begin - t0
     if keras.backend.backend() == "jax" and clock.train_end is not None:
         # JAX's fit hands async callbacks the logs a step late: the loss read at the last

@@ -25,9 +25,7 @@ class Diagnosis:
         shares: `{"input", "host", "compute"}`, fractions of one training step; they sum to 1.
         examples_per_s: Training throughput with the user's own data and settings.
         what_if: Measured changes, best first: dicts with `change`, `speedup` (x the current
-            speed of an epoch as `fit` runs it, its fixed set-up and wrap-up included; for an
-            input of unknown length, per step), `step_speedup` (x the examples/s of the steps
-            alone), `how` (the line to change) and `examples_per_s`.
+            examples/s), `how` (the line to change) and `examples_per_s`.
         peak_memory_bytes: Peak accelerator memory where the backend reports it, else `None`.
         seconds_per_step: The measured times behind the shares (`together`, `input_alone`,
             `step_alone`, `input`, `host`, `compute`).
@@ -73,7 +71,7 @@ class Diagnosis:
             )
         lines.append(f"bottleneck: {self.bottleneck} -- {VERDICTS[self.bottleneck]}")
         if self.what_if:
-            lines.append("what if (measured with fit, speed-up of an epoch, best first):")
+            lines.append("what if (measured with fit, best first):")
             width = max(len(w["change"]) for w in self.what_if)
             for w in self.what_if:
                 gain = "" if w["speedup"] > 1.05 else "  (no gain)"

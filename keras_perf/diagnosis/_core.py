@@ -216,7 +216,9 @@ def _measure_all(model, twin, source, steps, max_seconds, what_if, notes, t_star
             raise ValueError(f"diagnose: fit rejects this data or model: {exc}") from exc
     # The budget starts now: making the twin and the first trace do not count against it.
     trace_s = time.perf_counter() - t_start
-    deadline = time.perf_counter() + max_seconds
+    # The last fit stops at its first step past the deadline, then the twin is put back:
+    # 3 % of the budget is kept for that, so the whole call stays inside `max_seconds`.
+    deadline = time.perf_counter() + 0.97 * max_seconds
 
     def until(seconds):
         return min(time.perf_counter() + seconds, deadline)

@@ -93,21 +93,23 @@ def fake_quant(x, min_vals, max_vals, num_bits: int, narrow_range: bool, axis=No
     import torch
 
     qmin, qmax = (1 if narrow_range else 0), 2**num_bits - 1
-    lo = torch.as_tensor(min_vals, dtype=torch.float32, device=x.device).detach()
-    hi = torch.as_tensor(max_vals, dtype=torch.float32, device=x.device).detach()
-    scale = (hi - lo) / (qmax - qmin)
-    zero = torch.clamp(torch.floor(qmin - lo / scale + 0.5), qmin, qmax)
-    low, high = (qmin - zero) * scale, (qmax - zero) * scale
+    with torch.no_grad():  # the range's arithmetic needs no autograd record
+        lo = torch.as_tensor(min_vals, dtype=torch.float32, device=x.device)
+        hi = torch.as_tensor(max_vals, dtype=torch.float32, device=x.device)
+        scale = (hi - lo) / (qmax - qmin)
+        zero = torch.clamp(torch.floor(qmin - lo / scale + 0.5), qmin, qmax)
+        low, high = (qmin - zero) * scale, (qmax - zero) * scale
+        zero = zero.int()
     xf = x if x.dtype == torch.float32 else x.float()
     if axis is None:
         y = torch.fake_quantize_per_tensor_affine(
-            torch.clamp(xf, low, high), scale, zero.int(), qmin, qmax
+            torch.clamp(xf, low, high), scale, zero, qmin, qmax
         )
     else:
         shape = [1] * x.ndim
         shape[axis] = -1
         clamped = torch.clamp(xf, low.reshape(shape), high.reshape(shape))
-        y = torch.fake_quantize_per_channel_affine(clamped, scale, zero.int(), axis, qmin, qmax)
+        y = torch.fake_quantize_per_channel_affine(clamped, scale, zero, axis, qmin, qmax)
     return y if y.dtype == x.dtype else y.to(x.dtype)
 
 

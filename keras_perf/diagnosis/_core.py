@@ -319,6 +319,16 @@ def _measure_all(model, twin, source, steps, max_seconds, what_if, notes, t_star
         )
         notes.extend(more_notes)
         ctx.setup = min(setups) if setups else None
+        ctx.epoch = None
+        S = source.batches_per_epoch
+        if (
+            not source.one_pass
+            and S
+            and 3 * S * base_step * (1 + len(changes)) < 0.4 * (deadline - time.perf_counter())
+        ):
+            # Short epochs: a whole epoch as `fit` runs it (its set-up, per-epoch work and
+            # wrap-up weigh against a few milliseconds of steps) is timed for every change.
+            ctx.epoch = _measure.epoch_seconds(twin, deadline, **base_kwargs)
         what_ifs = _time_changes(ctx, changes, base_step, B, deadline, max(retrace), notes)
 
     return Diagnosis(
@@ -363,13 +373,17 @@ def _time_changes(ctx, changes, base_step, B, deadline, retrace_s, notes):
             n = max((ctx.steps // k) * k, k)
             if change.retraces:
                 _measure.fit_steps(target, min(2 * k, n), None, **change.fit_kwargs)  # trace
-            slice_end = time.perf_counter() + left / remaining
+            reserve = 4 * ctx.epoch if ctx.epoch is not None else 0.0  # its 3 whole epochs
+            slice_end = time.perf_counter() + max(left / remaining - reserve, 0.0)
             # A change to the input is timed from the start of its fit, less the set-up the
             # unchanged input needed: batches its workers queue meanwhile are not free.
             setup = ctx.setup if not change.retraces else None
             per_step, done = _repeat(
                 target, n, slice_end, deadline, setup=setup, **change.fit_kwargs
             )
+            epoch = None
+            if ctx.epoch is not None:
+                epoch = _measure.epoch_seconds(target, deadline, **change.fit_kwargs)
         except Exception as exc:  # the change does not work here: not offered
             if _backend.is_oom(exc):
                 notes.append(
@@ -384,6 +398,8 @@ def _time_changes(ctx, changes, base_step, B, deadline, retrace_s, notes):
             change.undo()
         per_example = per_step / change.examples_per_step
         speedup = (base_step / B) / per_example
+        if epoch is not None:  # the same examples in each epoch: the ratio of their times
+            speedup = ctx.epoch / epoch
         results.append(
             {
                 "change": change.change,

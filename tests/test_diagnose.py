@@ -87,7 +87,7 @@ def test_sleeping_input_is_input_bound_and_workers_help(digits, tmp_path):
     model.fit(x[:64], y[:64], batch_size=16, epochs=1, verbose=0)
     data = Sleepy(x, y)
     t0 = time.perf_counter()
-    d = kp.diagnose(model, data, steps=12, max_seconds=6)
+    d = kp.diagnose(model, data, steps=24, max_seconds=8)
     wall = time.perf_counter() - t0
     assert d.bottleneck == "input"
     assert d.shares["input"] > 0.6, d.shares
@@ -96,7 +96,8 @@ def test_sleeping_input_is_input_bound_and_workers_help(digits, tmp_path):
     assert "PyDataset workers=4" in changes, str(d)
     workers = d.what_if[changes.index("PyDataset workers=4")]
     # 4 threads sleeping in parallel: ~3-4x on TF and torch; JAX counts its end-of-fit
-    # wrap-up (see docs/diagnose.md), which takes from the gain over 12 steps.
+    # wrap-up (see docs/diagnose.md), which takes from the gain over a few steps (1.10x over
+    # 12 steps once, on a loaded machine: hence 24).
     assert workers["speedup"] > 1.1, str(d)
     speedups = [w["speedup"] for w in d.what_if]
     assert speedups == sorted(speedups, reverse=True)
@@ -106,7 +107,7 @@ def test_sleeping_input_is_input_bound_and_workers_help(digits, tmp_path):
     # The dataset's own settings are put back.
     assert data.workers == 1
     # Budget: the measuring after the set-up (twin, first trace) stays near max_seconds.
-    assert wall - d.trace_seconds < 6 * 1.5 + 1, (wall, d.trace_seconds)
+    assert wall - d.trace_seconds < 8 * 1.5 + 1, (wall, d.trace_seconds)
     # Report, JSON, plot.
     text = str(d)
     assert "bottleneck: input" in text and "workers=4" in text

@@ -121,6 +121,8 @@ def fake_quant_kernel(kernel, bits: int, channel_axes, tiny: float):
     import torch
 
     w = kernel.value if hasattr(kernel, "value") else kernel
+    if w.dtype != torch.float32:  # mixed precision: torch's ops take float32 (Keras casts too)
+        return fake_quant_kernel(w.float(), bits, channel_axes, tiny).to(w.dtype)
     q = 2 ** (bits - 1) - 1
     a = w.detach().abs()
     if channel_axes is None:

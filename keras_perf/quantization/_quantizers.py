@@ -56,7 +56,7 @@ def kernel_range(kernel, channel_axes):
 def fake_quant_kernel(kernel, bits: int, channel_axes):
     """Symmetric narrow-range fake quantization of a kernel: integers in
     [-(2^(b-1)-1), 2^(b-1)-1] times a scale `max|w| / (2^(b-1)-1)` per channel."""
-    if _backend.fake_quant is not None:  # torch: the same in torch ops, a third of the cost
+    if _backend.fake_quant_kernel is not None:  # torch: the same in torch ops, a third of the cost
         return _backend.fake_quant_kernel(kernel, bits, channel_axes, _TINY)
     m = kernel_range(kernel, channel_axes)
     if channel_axes is None:
@@ -120,7 +120,7 @@ class ActivationQuantizer(keras.layers.Layer):
         )
 
     def call(self, inputs, training=None):
-        if _backend.fake_quant is not None and self.num_bits <= 8:  # torch: in torch ops
+        if _backend.moving_average_fake_quant is not None and self.num_bits <= 8:  # torch ops
             return _backend.moving_average_fake_quant(
                 inputs,
                 self.min,

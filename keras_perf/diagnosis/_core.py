@@ -321,14 +321,19 @@ def _measure_all(model, twin, source, steps, max_seconds, what_if, notes, t_star
         ctx.setup = min(setups) if setups else None
         ctx.epoch = None
         S = source.batches_per_epoch
-        if (
-            not source.one_pass
-            and S
-            and 3 * S * base_step * (1 + len(changes)) < 0.4 * (deadline - time.perf_counter())
-        ):
-            # Short epochs: a whole epoch as `fit` runs it (its set-up, per-epoch work and
-            # wrap-up weigh against a few milliseconds of steps) is timed for every change.
-            ctx.epoch = _measure.epoch_seconds(twin, deadline, **base_kwargs)
+        # Short epochs: whole epochs as `fit` runs them (their set-up and teardown weigh
+        # against a few milliseconds of steps) are timed for every change, as many as fit in
+        # 40 % of the budget left: a fit of 3 to 8 epochs (a teardown can stall at random, on
+        # TF's tf.data, so a mean over epochs), up to 3 such fits (their median: a busy machine
+        # can slow one).
+        round_s = S * base_step * (1 + len(changes)) if S and not source.one_pass else None
+        affordable = int(0.4 * (deadline - time.perf_counter()) / round_s) if round_s else 0
+        ctx.epochs = min(8, affordable)
+        ctx.epoch_fits = max(1, min(3, affordable // max(ctx.epochs, 1)))
+        if ctx.epochs >= 3:
+            ctx.epoch = _measure.epoch_seconds(
+                twin, deadline, ctx.epochs, ctx.epoch_fits, **base_kwargs
+            )
         what_ifs = _time_changes(ctx, changes, base_step, B, deadline, max(retrace), notes)
 
     return Diagnosis(
@@ -373,7 +378,9 @@ def _time_changes(ctx, changes, base_step, B, deadline, retrace_s, notes):
             n = max((ctx.steps // k) * k, k)
             if change.retraces:
                 _measure.fit_steps(target, min(2 * k, n), None, **change.fit_kwargs)  # trace
-            reserve = 4 * ctx.epoch if ctx.epoch is not None else 0.0  # its 3 whole epochs
+            reserve = 0.0
+            if ctx.epoch is not None:
+                reserve = (ctx.epochs * ctx.epoch_fits + 1) * ctx.epoch
             slice_end = time.perf_counter() + max(left / remaining - reserve, 0.0)
             # A change to the input is timed from the start of its fit, less the set-up the
             # unchanged input needed: batches its workers queue meanwhile are not free.
@@ -383,7 +390,9 @@ def _time_changes(ctx, changes, base_step, B, deadline, retrace_s, notes):
             )
             epoch = None
             if ctx.epoch is not None:
-                epoch = _measure.epoch_seconds(target, deadline, **change.fit_kwargs)
+                epoch = _measure.epoch_seconds(
+                    target, deadline, ctx.epochs, ctx.epoch_fits, **change.fit_kwargs
+                )
         except Exception as exc:  # the change does not work here: not offered
             if _backend.is_oom(exc):
                 notes.append(

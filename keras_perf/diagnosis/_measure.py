@@ -192,19 +192,20 @@ def fit_steps(model, steps, deadline=None, setup=None, **fit_kwargs):
 
 
 class _EpochClock(keras.callbacks.Callback):
-    """Times the epoch of a one-epoch fit, from its start to its end (the loss read there,
-    which waits for the device); stops it at `deadline`."""
+    """Notes when the first epoch of a fit starts; stops the fit at `deadline`."""
 
     def __init__(self, model, deadline):
         super().__init__()
         self.async_safe = True  # as fit runs without it (no sync after every step on JAX)
         self._target = model  # not self.model: reading it syncs the state on JAX
         self.deadline = deadline
-        self.begin = self.seconds = None
+        self.begin = None
+        self.epochs = 0
         self.late = False
 
     def on_epoch_begin(self, epoch, logs=None):
-        self.begin = time.perf_counter()
+        if self.begin is None:
+            self.begin = time.perf_counter()
 
     def on_train_batch_end(self, batch, logs=None):
         if self.deadline is not None and time.perf_counter() > self.deadline:
@@ -212,27 +213,31 @@ class _EpochClock(keras.callbacks.Callback):
             self._target.stop_training = True
 
     def on_epoch_end(self, epoch, logs=None):
-        loss = (logs or {}).get("loss")
-        if loss is not None:
-            np.asarray(keras.ops.convert_to_numpy(loss))
-        self.seconds = time.perf_counter() - self.begin
+        self.epochs += 1
 
 
-def epoch_seconds(model, deadline, repeats=3, **fit_kwargs) -> float | None:
-    """Fastest of `repeats` whole epochs of one-epoch `fit` calls, from the epoch's start to
-    its end: every step and the per-epoch work (a new data iterator, the epoch's callbacks),
-    not the fit call's one-off set-up and wrap-up, which a long training pays once. None when
-    the deadline cuts one short."""
-    best = None
-    for _ in range(repeats):
+def epoch_seconds(model, deadline, epochs=3, fits=1, **fit_kwargs) -> float | None:
+    """Seconds per epoch: the median over `fits` fits of `epochs` epochs each of the mean, from
+    the fit's first epoch's start to its return. That is every step and each epoch's own work
+    (a new data iterator and the teardown of the last one, workers started and stopped, the
+    epoch's callbacks), not the fit call's one-off set-up, which a long training pays once.
+    None when the deadline cuts a fit short.
+
+    The teardown counts because it can cost as much as the steps: on TensorFlow, deleting a
+    tf.data iterator can wait up to 0.6 s for tf.data's autotuner (seen for iterators that lived
+    about 0.5-1.3 s; Keras builds such a pipeline for arrays), at random.
+    """
+    means = []
+    for _ in range(fits):
         clock = _EpochClock(model, deadline)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*`shuffle=True` was passed.*")
-            model.fit(**fit_kwargs, epochs=1, verbose=0, callbacks=[clock])
-        if clock.late or clock.seconds is None:
+            model.fit(**fit_kwargs, epochs=epochs, verbose=0, callbacks=[clock])
+        end = time.perf_counter()
+        if clock.late or clock.begin is None or clock.epochs < epochs:
             return None
-        best = clock.seconds if best is None else min(best, clock.seconds)
-    return best
+        means.append((end - clock.begin) / epochs)
+    return float(np.median(means))
 
 
 def peak_memory() -> int | None:

@@ -73,8 +73,9 @@ def diagnose(model, x, y=None, batch_size=None, steps=50, max_seconds=60, what_i
     step: the input alone, the step alone on batches held in memory (at the batch size and at
     half of it: the part that does not grow with the batch is per-step "host" overhead, the rest
     "compute"), and the two together as `fit` runs them. Then each change that applies
-    (`steps_per_execution`, `jit_compile`, `PyDataset` workers, tf.data prefetch and parallel
-    map, a larger batch, mixed precision on a GPU) is timed with a real `fit` from its start.
+    (`steps_per_execution`, `jit_compile`, `PyDataset` workers, tf.data prefetch, parallel map
+    and cache, a larger batch, micro-batched where memory is the limit, mixed precision on a
+    GPU) is timed with a real `fit` from its start.
 
     Args:
         model: A compiled `keras.Model`.
@@ -158,10 +159,21 @@ def _run(model, source, steps, max_seconds, what_if):
             "Keras could not clone this model: measured on the model itself and restored "
             "afterwards; compile-side changes were not tried."
         )
-    _backend.reset_peak_memory()
+    # Where the backend cannot reset its peak (JAX), the peak so far, to tell whether this
+    # diagnosis raised it.
+    peak_before = None if _backend.reset_peak_memory() else _measure.peak_memory()
     try:
         return _measure_all(
-            model, twin, source, steps, max_seconds, what_if, notes, t_start, snapshot is None
+            model,
+            twin,
+            source,
+            steps,
+            max_seconds,
+            what_if,
+            notes,
+            t_start,
+            snapshot is None,
+            peak_before,
         )
     finally:
         if snapshot is not None:
@@ -186,7 +198,9 @@ def _fill_tf_data_cache(dataset, until, notes) -> None:
     notes.append("the pipeline caches: it was read once before measuring (the cached epochs).")
 
 
-def _measure_all(model, twin, source, steps, max_seconds, what_if, notes, t_start, can_recompile):
+def _measure_all(
+    model, twin, source, steps, max_seconds, what_if, notes, t_start, can_recompile, peak_before
+):
     n = steps if source.batches_per_epoch is None else min(steps, source.batches_per_epoch)
     share = _BASELINE_SHARE if what_if else 0.95
     slice_s = max_seconds * share / 4
@@ -275,6 +289,13 @@ def _measure_all(model, twin, source, steps, max_seconds, what_if, notes, t_star
     bottleneck = max(shares, key=shares.get)
 
     peak = _measure.peak_memory()
+    if peak is not None and peak_before is not None and peak <= peak_before:
+        notes.append(
+            "peak accelerator memory not known: the backend cannot reset its peak counter, "
+            "and this model did not raise the peak of earlier work in this process; the larger "
+            "batch is tried (one that runs out of memory is micro-batched)."
+        )
+        peak = None
     notes.append(
         "the optimizer update runs once per step: its per-variable launches and Python count "
         "as host, its per-parameter arithmetic as compute."
@@ -303,6 +324,7 @@ def _measure_all(model, twin, source, steps, max_seconds, what_if, notes, t_star
             steps=n,
             can_recompile=can_recompile,
             peak_memory_bytes=peak,
+            device_bytes=device_bytes,
             larger_batch_fits=peak is None or device_bytes is None or 2 * peak < device_bytes,
             input_per_batch=input_per_batch,
             max_seconds=max_seconds,
@@ -319,6 +341,7 @@ def _measure_all(model, twin, source, steps, max_seconds, what_if, notes, t_star
         )
         notes.extend(more_notes)
         ctx.setup = min(setups) if setups else None
+        ctx.trace_s = trace_s
         ctx.epoch = None
         S = source.batches_per_epoch
         # Short epochs: whole epochs as `fit` runs them (their set-up and teardown weigh
@@ -334,6 +357,9 @@ def _measure_all(model, twin, source, steps, max_seconds, what_if, notes, t_star
             ctx.epoch = _measure.epoch_seconds(
                 twin, deadline, ctx.epochs, ctx.epoch_fits, **base_kwargs
             )
+        # A change that fails inside `fit` can leave the twin's variables without values (JAX
+        # drops them during `fit` and puts them back at its end): the state to put back then.
+        ctx.twin_state = _measure.Snapshot(twin)
         what_ifs = _time_changes(ctx, changes, base_step, B, deadline, max(retrace), notes)
 
     return Diagnosis(
@@ -365,10 +391,17 @@ def _measure_all(model, twin, source, steps, max_seconds, what_if, notes, t_star
 
 def _time_changes(ctx, changes, base_step, B, deadline, retrace_s, notes):
     results = []
-    for i, change in enumerate(changes):
-        remaining = len(changes) - i
+    changes = list(changes)
+    i = 0
+    while i < len(changes):  # a change that runs out of memory may queue another
+        change = changes[i]
+        i += 1
+        remaining = len(changes) - i + 1
         left = deadline - time.perf_counter()
-        if left < retrace_s * change.retraces + ctx.steps * base_step:
+        warm_up = retrace_s * change.retraces
+        if change.trace_factor is not None:
+            warm_up = max(warm_up, change.trace_factor * ctx.trace_s)
+        if left < warm_up + ctx.steps * base_step:
             notes.append(f"{change.change} not measured: the time budget ran out.")
             continue
         target = ctx.twin
@@ -377,7 +410,14 @@ def _time_changes(ctx, changes, base_step, B, deadline, retrace_s, notes):
             k = change.steps_multiple
             n = max((ctx.steps // k) * k, k)
             if change.retraces:
+                t0 = time.perf_counter()
                 _measure.fit_steps(target, min(2 * k, n), None, **change.fit_kwargs)  # trace
+                if time.perf_counter() > deadline:
+                    notes.append(
+                        f"{change.change} not measured: its warm-up took "
+                        f"{time.perf_counter() - t0:.1f} s, past the time budget."
+                    )
+                    continue
             reserve = 0.0
             if ctx.epoch is not None:
                 reserve = (ctx.epochs * ctx.epoch_fits + 1) * ctx.epoch
@@ -394,11 +434,17 @@ def _time_changes(ctx, changes, base_step, B, deadline, retrace_s, notes):
                     target, deadline, ctx.epochs, ctx.epoch_fits, **change.fit_kwargs
                 )
         except Exception as exc:  # the change does not work here: not offered
+            ctx.twin_state.restore()
             if _backend.is_oom(exc):
-                notes.append(
-                    f"{change.change} did not fit in memory; kp.fit_with_oom_retry "
-                    "micro-batches a batch that does not fit."
-                )
+                instead = change.on_oom() if change.on_oom is not None else None
+                if instead is not None:
+                    notes.append(f"{change.change} did not fit in memory: micro-batched instead.")
+                    changes.insert(i, instead)
+                else:
+                    notes.append(
+                        f"{change.change} did not fit in memory; kp.fit_with_oom_retry "
+                        "micro-batches a batch that does not fit."
+                    )
             else:
                 notes.append(f"{change.change} not offered: it failed here ({type(exc).__name__}).")
             continue

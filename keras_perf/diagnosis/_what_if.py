@@ -29,8 +29,15 @@ class Change:
         undo=None,
         steps_multiple=1,
         retraces=True,
+        on_oom=None,
+        trace_factor=None,
     ):
         self.change = change
+        # The cost of its warm-up as a multiple of the first trace (a new model, an XLA
+        # compile), where a retrace of the train function would underestimate it; else None.
+        self.trace_factor = trace_factor
+        # Called when the change runs out of memory: the change to time instead, or None.
+        self.on_oom = on_oom
         self.retraces = retraces  # False: same shapes and train function (data-side changes)
         self.how = how
         self.fit_kwargs = fit_kwargs
@@ -40,8 +47,10 @@ class Change:
         self.steps_multiple = steps_multiple
 
     def apply(self):
+        """Apply the change; returns the model to time when it is not the twin itself."""
         if self._apply is not None:
-            self._apply()
+            return self._apply()
+        return None
 
     def undo(self):
         if self._undo is not None:
@@ -148,24 +157,27 @@ def candidates(ctx) -> tuple[list[Change], list[str]]:
             )
     if source.kind == "tf.data":
         _cache_change(ctx, source.x, out, notes)
-    if source.kind == "arrays" and ctx.larger_batch_fits:
+    if source.kind == "arrays" and source.examples // (2 * B) >= 2:
         big = 2 * B
-        if source.examples // big >= 2:
-            out.append(
-                Change(
-                    f"batch_size={big}",
-                    f"model.fit(..., batch_size={big})  # changes the optimisation: retune the "
-                    "learning rate",
-                    source.fit_kwargs(batch_size=big),
-                    big,
-                )
-            )
-    elif source.kind == "arrays":
-        notes.append(
-            f"batch_size={2 * B} not tried: memory is the limit (peak "
-            f"{ctx.peak_memory_bytes} bytes); kp.fit_with_oom_retry micro-batches a batch "
-            "that does not fit."
+        larger = Change(
+            f"batch_size={big}",
+            f"model.fit(..., batch_size={big})  # changes the optimisation: retune the "
+            "learning rate",
+            source.fit_kwargs(batch_size=big),
+            big,
+            on_oom=lambda: microbatch_change(ctx, big, notes),
         )
+        if ctx.larger_batch_fits:
+            out.append(larger)
+        else:
+            notes.append(
+                f"batch_size={big} not tried as it is: memory is the limit (peak "
+                f"{ctx.peak_memory_bytes / 2**20:,.0f} MiB of {ctx.device_bytes / 2**20:,.0f} "
+                f"MiB); micro-batched instead."
+            )
+            micro = microbatch_change(ctx, big, notes)
+            if micro is not None:
+                out.append(micro)
 
     # -- compile side ---------------------------------------------------------------------
     if not ctx.can_recompile:
@@ -197,6 +209,9 @@ def candidates(ctx) -> tuple[list[Change], list[str]]:
                 B,
                 lambda: compile_twin(twin, args, jit_compile=True),
                 lambda: compile_twin(twin, args),
+                # XLA's first compile: 1.6-3.3x the first plain trace of an MLP or small CNN
+                # on TensorFlow (CPU), where a plain retrace costs a tenth of it.
+                trace_factor=4.0,
             )
         )
     elif backend == "torch" and not twin.jit_compile:
@@ -205,8 +220,15 @@ def candidates(ctx) -> tuple[list[Change], list[str]]:
             "than the whole time budget."
         )
     if _backend.has_accelerator():
-        policy = "mixed_bfloat16" if backend == "jax" else "mixed_float16"
-        if twin.dtype_policy.name == "float32":
+        from keras_perf.mixed_precision import auto_policy
+
+        policy = auto_policy()  # float16 on GPUs with tensor cores, bfloat16 on TPUs
+        if policy == "float32":
+            notes.append(
+                "mixed precision not offered: this GPU has no float16 tensor cores (compute "
+                "capability below 7.0), where float16 does not run faster."
+            )
+        elif twin.dtype_policy.name == "float32":
             out.append(
                 Change(
                     f"mixed precision ({policy})",
@@ -215,6 +237,59 @@ def candidates(ctx) -> tuple[list[Change], list[str]]:
                     B,
                     lambda: ctx.use_mixed_twin(policy),
                     ctx.drop_mixed_twin,
+                    # A new model, traced anew (with XLA on TensorFlow where the twin uses it).
+                    trace_factor=4.0 if backend == "tensorflow" and twin.jit_compile else 1.0,
                 )
             )
     return out, notes
+
+
+def microbatch_change(ctx, big, notes) -> Change | None:
+    """A batch of `big` in slices of the current batch (`kp.loss_scaled(..., microbatches=k)`):
+    the examples/s of the larger batch at about the activation memory of the current one."""
+    from keras_perf.train_step import LossScaleTrainStep, loss_scaled
+
+    twin, B = ctx.twin, ctx.batch_size
+    name = f"batch_size={big}, micro-batched"
+    if not ctx.can_recompile:
+        notes.append(f"{name} not tried: Keras could not clone this model.")
+        return None
+    current = twin.microbatches if isinstance(twin, LossScaleTrainStep) else 1
+    if not isinstance(twin, LossScaleTrainStep) and not _backend.is_functional(twin):
+        notes.append(
+            f"{name} not tried: kp.loss_scaled takes Sequential and Functional models; a "
+            "subclassed model gets micro-batching from `class M(kp.LossScaleTrainStep, "
+            "keras.Model)`."
+        )
+        return None
+    k = 2 * current
+    held = {}
+
+    def apply():
+        if isinstance(twin, LossScaleTrainStep):
+            twin.microbatches = k
+            return twin
+        # The twin's layers behind keras-perf's train step, compiled as the twin is, with the
+        # twin's optimizer.
+        held["model"] = loss_scaled(twin, microbatches=k)
+        return held["model"]
+
+    def undo():
+        if isinstance(twin, LossScaleTrainStep):
+            twin.microbatches = current
+        held.clear()
+
+    if isinstance(twin, LossScaleTrainStep):
+        how = f"model.microbatches = {k}; model.fit(..., batch_size={big})"
+    else:
+        how = f"model = kp.loss_scaled(model, microbatches={k}); model.fit(..., batch_size={big})"
+    how += f"  # slices of {big // k}: about the memory of batch {B}; retune the learning rate"
+    return Change(
+        f"{name} (microbatches={k})",
+        how,
+        ctx.source.fit_kwargs(batch_size=big),
+        big,
+        apply,
+        undo,
+        trace_factor=1.0,  # a new model (or a new micro-batch count): traced anew
+    )

@@ -16,7 +16,6 @@ Run: python benchmarks/bench_diagnose.py [--quick] [--json PATH]
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 import time
 
@@ -24,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _harness  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+from _diagnose_cases import Sleepy, real_speedup  # noqa: E402
 from _harness import digits, finish, parse_args, row  # noqa: E402
 
 import keras_perf as kp  # noqa: E402
@@ -32,20 +32,6 @@ if keras.backend.backend() == "torch":
     import torch
 
     torch.set_num_threads(1)
-
-
-class Sleepy(keras.utils.PyDataset):
-    def __init__(self, x, y, batches, **kwargs):
-        super().__init__(**kwargs)
-        self.x, self.y, self.batches = x, y, batches
-
-    def __len__(self):
-        return self.batches
-
-    def __getitem__(self, i):
-        time.sleep(0.02)
-        j = (i * 16) % (len(self.x) - 16)
-        return self.x[j : j + 16], self.y[j : j + 16]
 
 
 def mlp(sizes, optimizer="adam"):
@@ -67,34 +53,6 @@ def cases(quick):
             {"x": xb, "y": yb, "batch_size": 512},
         ),
     ]
-
-
-def applied(change: str, model_fn, data: dict):
-    """A fresh model and the fit arguments with `change` applied (as its `how` line says)."""
-    model, data = model_fn(), dict(data)
-    if change.startswith("steps_per_execution="):
-        k = int(change.split("=")[1])
-        model.compile(model.optimizer, model.loss, steps_per_execution=k)
-    elif change == "jit_compile=True":
-        model.compile(model.optimizer, model.loss, jit_compile=True)
-    elif change.startswith("batch_size="):
-        data["batch_size"] = int(change.split("=")[1])
-    elif change == "PyDataset workers=4":
-        old = data["x"]
-        data["x"] = Sleepy(old.x, old.y, old.batches, workers=4)
-    else:
-        raise ValueError(f"no recipe for {change!r}")
-    return model, data
-
-
-def examples_per_s(model, data, epochs):
-    t0 = time.perf_counter()
-    history = model.fit(**data, epochs=epochs, verbose=0)
-    seconds = time.perf_counter() - t0
-    assert len(history.history["loss"]) == epochs
-    x = data["x"]
-    examples = len(x) * 16 if isinstance(x, keras.utils.PyDataset) else len(x)
-    return examples * epochs / seconds
 
 
 def main():
@@ -133,21 +91,10 @@ def main():
             continue
         top = d.what_if[0]
         try:
-            changed_model, changed_data = applied(top["change"], model_fn, data)
+            real, ratios = real_speedup(top["change"], model_fn, data, repeats, epochs)
         except ValueError as exc:
             print(exc)
             continue
-        base_model = model_fn()
-        for m, dd in ((base_model, data), (changed_model, changed_data)):
-            m.fit(**dd, epochs=1, verbose=0)  # compile and warm up
-        ratios = []
-        for _ in range(repeats):
-            a1 = examples_per_s(base_model, data, epochs)
-            b1 = examples_per_s(changed_model, changed_data, epochs)
-            b2 = examples_per_s(changed_model, changed_data, epochs)
-            a2 = examples_per_s(base_model, data, epochs)
-            ratios.append((b1 + b2) / (a1 + a2))
-        real = statistics.median(ratios)
         rows.append(
             row(
                 f"predicted / real speed-up of '{top['change']}', {expected} case",

@@ -19,16 +19,24 @@ needed: Keras plus JAX or torch is enough):
    time lost are reported; then `kp.find_max_microbatch` on the same batch.
 4. Per-step cost of `kp.DistillationModel` vs plain `fit` of the student, and of
    `kp.PruningCallback` vs plain `fit` of the same model.
+5. `kp.diagnose` on the device: its verdict on the three CPU cases of `bench_diagnose.py`
+   (a `PyDataset` sleeping 20 ms per batch, a 64-32-10 MLP at batch 8, a 512-2048-2048-10 MLP
+   with SGD at batch 512; synthetic data of digits' shape) and on ResNet50 at 224 x 224 fed by
+   a `PyDataset` that flips and scales uint8 images in NumPy; its top what-if's predicted
+   speed-up beside that of real 3-epoch fits with the change (alternated, 3 repeats, median);
+   and its own time against `max_seconds`. On JAX it runs in a process of its own (JAX's peak
+   memory cannot be reset, and the other sections' peaks would stand in for this model's).
 
 `--dry-run` runs the same code on the CPU with tiny models (a small CNN instead of ResNet50,
-an injected OOM as in tests/test_oom.py, since a CPU never runs out of memory), in seconds:
+an injected OOM as in tests/test_oom.py, since a CPU never runs out of memory, diagnose with a
+3-second budget), in seconds:
 it shows that every row is produced, and its figures are not measurements. Without a GPU and
 without `--dry-run` the script stops at once with a message. A failing section (or case) is
 reported in its row and the others still run; the JSON keeps every row.
 
 Run (docs/gpu.md has the steps for a fresh GPU machine):
 
-    python benchmarks/gpu_check.py [--dry-run] [--backends jax,torch] [--sections 1,2,3,4]
+    python benchmarks/gpu_check.py [--dry-run] [--backends jax,torch] [--sections 1,2,3,4,5]
         [--json out.json] [--markdown table.md]
     python benchmarks/gpu_check.py --merge jax.json torch.json   # one table from split runs
     keras-perf bench --gpu [--dry-run] [--json out.json]
@@ -54,10 +62,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 BACKENDS = ("jax", "torch")
-SECTIONS = (1, 2, 3, 4)
+SECTIONS = (1, 2, 3, 4, 5)
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
 MICROBATCHES = (1, 2, 4, 8)
 MODELS = ("mlp", "convnet")
+DIAGNOSE_CASES = ("input", "host", "compute", "resnet50")
 # Never needed here: a worker reports any of these it finds imported.
 OPTIONAL = ("tensorflow", "tf_keras", "tensorflow_model_optimization", "sklearn", "matplotlib")
 RESNET50_MACS = 4.1e9  # forward multiply-adds at 224 x 224 (He et al. 2016, table 1: 3.8-4.1 G)
@@ -79,6 +88,20 @@ SIZES = {
         },
         "prune": {"inputs": 1024, "widths": (4096, 4096), "batch": 1024, "frequency": 10},
         "child_groups": [[1], [2], [4], [8]],  # JAX: one process per micro-batch setting
+        "diagnose": {
+            "steps": 30,
+            "max_seconds": 30,
+            "resnet_max_seconds": 60,  # XLA's retraces of ResNet50 come out of the budget
+            "sleep": 0.02,
+            "batches": 60,
+            "wide": (512, (2048, 2048)),
+            "compute_rows": 8192,
+            "resnet_batch": 64,
+            "resnet_batches": 20,
+            "pool": 64,
+            "repeats": 3,
+            "epochs": 3,
+        },
     },
     "dry": {
         "mlp": {"inputs": 32, "width": 64, "depth": 2, "classes": 10, "batch": 32},
@@ -90,6 +113,20 @@ SIZES = {
         "prune": {"inputs": 16, "widths": (32, 32), "batch": 32, "frequency": 2},
         # Two processes, not four: the child path runs, in seconds (no device peak on a CPU).
         "child_groups": [[1], [2, 4, 8]],
+        "diagnose": {
+            "steps": 6,
+            "max_seconds": 3,
+            "resnet_max_seconds": 3,
+            "sleep": 0.005,
+            "batches": 12,
+            "wide": (64, (128, 128)),
+            "compute_rows": 2048,
+            "resnet_batch": 8,
+            "resnet_batches": 6,
+            "pool": 16,
+            "repeats": 1,
+            "epochs": 1,
+        },
     },
 }
 
@@ -111,6 +148,8 @@ def expected_ids(sections=SECTIONS, microbatches=MICROBATCHES) -> list[str]:
                 "4/pruning/plain",
                 "4/pruning/PruningCallback",
             ]
+        elif s == 5:
+            ids += [f"5/{case}" for case in DIAGNOSE_CASES]
     return ids
 
 
@@ -690,7 +729,137 @@ def section_distill_prune(ctx, rows: list) -> None:
     )
 
 
-SECTION_RUNNERS = {1: section_mixed_precision, 3: section_oom, 4: section_distill_prune}
+# ------------------------------------------------------------------ section 5: diagnose
+def section_diagnose(ctx, rows: list) -> None:
+    import keras
+    import numpy as np
+
+    import keras_perf as kp
+
+    sys.path.insert(0, str(HERE))
+    from _diagnose_cases import Augmented, Sleepy, real_speedup
+
+    s = ctx.sizes["diagnose"]
+    rng = np.random.default_rng(0)
+    x = rng.random((1437, 64), dtype="float32")  # digits' shape (no scikit-learn here)
+    y = rng.integers(0, 10, 1437).astype("int32")
+    inputs, widths = s["wide"]
+    xw = rng.standard_normal((s["compute_rows"], inputs), dtype="float32")
+    yw = rng.integers(0, 10, s["compute_rows"]).astype("int32")
+    c = ctx.sizes["convnet"]
+    images = rng.integers(0, 256, (s["pool"], c["image"], c["image"], 3), dtype="uint8")
+    labels = rng.integers(0, c["classes"], s["pool"]).astype("int32")
+
+    def small():
+        keras.utils.set_random_seed(0)
+        model = mlp(64, (32,), 10)
+        model.compile(keras.optimizers.Adam(1e-3), _sce())
+        return model
+
+    def wide():
+        keras.utils.set_random_seed(0)
+        return _compile(mlp(inputs, widths, 10))
+
+    def resnet():
+        keras.utils.set_random_seed(0)
+        return _compile(convnet(ctx)[0])
+
+    wide_name = f"MLP {inputs}-{'-'.join(map(str, widths))}-10, SGD, batch 512"
+    cases = {
+        "input": (
+            f"PyDataset sleeping {1000 * s['sleep']:.0f} ms per batch of 16, MLP 64-32-10",
+            "input",
+            small,
+            {"x": Sleepy(x, y, s["batches"], sleep=s["sleep"])},
+            s["max_seconds"],
+        ),
+        "host": (
+            "MLP 64-32-10 at batch 8, arrays of digits' shape",
+            "host",
+            small,
+            {"x": x, "y": y, "batch_size": 8},
+            s["max_seconds"],
+        ),
+        "compute": (
+            wide_name,
+            "compute",
+            wide,
+            {"x": xw, "y": yw, "batch_size": 512},
+            s["max_seconds"],
+        ),
+        "resnet50": (
+            f"{convnet(ctx)[1]}, PyDataset flipping uint8 images in NumPy, batch "
+            f"{s['resnet_batch']}",
+            None,
+            resnet,
+            {"x": Augmented(images, labels, s["resnet_batches"], s["resnet_batch"])},
+            s["resnet_max_seconds"],
+        ),
+    }
+    for case in DIAGNOSE_CASES:
+        label, on_cpu, make, data, max_seconds = cases[case]
+        row_id = f"5/{case}"
+        try:
+            model = make()
+            t0 = time.perf_counter()
+            d = kp.diagnose(model, steps=s["steps"], max_seconds=max_seconds, **data)
+            cost = time.perf_counter() - t0
+            print(d, flush=True)
+            shares = ", ".join(f"{k} {v:.2f}" for k, v in d.shares.items())
+            note = f"verdict {d.bottleneck} ({shares})"
+            if on_cpu is not None:
+                note += f"; on a CPU: {on_cpu}"
+            note += f"; diagnose {cost:.1f} s of {max_seconds} s + set-up {d.trace_seconds:.1f} s"
+            fields = {
+                "bottleneck": d.bottleneck,
+                "shares": d.shares,
+                "what_if": d.what_if,
+                "diagnose_s": cost,
+                "max_seconds": max_seconds,
+                "trace_s": d.trace_seconds,
+                "peak_memory_bytes": d.peak_memory_bytes,
+            }
+            if d.what_if:
+                top = d.what_if[0]
+                model = None
+                _free_memory()
+                real, ratios = real_speedup(top["change"], make, data, s["repeats"], s["epochs"])
+                note += (
+                    f"; top: {top['change']}, predicted {top['speedup']:.2f}x, real "
+                    f"{real:.2f}x ({s['epochs']}-epoch fits, {s['repeats']} repeats)"
+                )
+                fields.update(
+                    top=top["change"],
+                    predicted=top["speedup"],
+                    real=real,
+                    real_spread=[min(ratios), max(ratios)],
+                    ratio=top["speedup"] / real,
+                    ratio_of="predicted_over_real",
+                )
+            rows.append(
+                _row(
+                    ctx,
+                    row_id,
+                    label,
+                    examples_per_s=d.examples_per_s,
+                    step_ms=1000 * d.seconds_per_step["together"],
+                    note=note,
+                    **fields,
+                )
+            )
+        except Exception as exc:  # one case failing leaves the others to run
+            rows.append(_row(ctx, row_id, label, error=_error_text(exc)))
+        finally:
+            model = None
+            _free_memory()
+
+
+SECTION_RUNNERS = {
+    1: section_mixed_precision,
+    3: section_oom,
+    4: section_distill_prune,
+    5: section_diagnose,
+}
 
 
 def worker(args) -> int:
@@ -845,11 +1014,13 @@ def run_child(
 
 
 def run_backend(backend: str, dry: bool, sections, timeout: float, on_part=None) -> dict:
-    """Every section on one backend. On JAX each micro-batch group gets its own process
-    (JAX cannot reset its peak memory), and no process holds the device while another runs."""
+    """Every section on one backend. On JAX each micro-batch group, and section 5, gets its own
+    process (JAX cannot reset its peak memory, which both read), and no process holds the
+    device while another runs."""
     sizes = SIZES["dry" if dry else "gpu"]
     parts = []
-    if backend == "jax" and 2 in sections:
+    alone = (2, 5) if backend == "jax" else ()
+    if 2 in alone and 2 in sections:
         batch = None
         for group in sizes["child_groups"]:
             res = run_child(backend, dry, [2], timeout, microbatches=group, batch=batch)
@@ -857,11 +1028,11 @@ def run_backend(backend: str, dry: bool, sections, timeout: float, on_part=None)
             parts.append(res)
             if on_part:
                 on_part([r for p in parts for r in p["rows"]])
-        rest = [s for s in sections if s != 2]
-        if rest:
-            parts.append(run_child(backend, dry, rest, timeout))
-    else:
-        parts.append(run_child(backend, dry, sections, timeout))
+    rest = [s for s in sections if s not in alone]
+    if rest:
+        parts.append(run_child(backend, dry, rest, timeout))
+    if 5 in alone and 5 in sections:
+        parts.append(run_child(backend, dry, [5], timeout))
     rows = [r for p in parts for r in p["rows"]]
     order = {i: n for n, i in enumerate(expected_ids(sections))}
     rows.sort(key=lambda r: order.get(r["id"], len(order)))
@@ -918,8 +1089,13 @@ SECTION_NAMES = {
     2: "2 micro-batch memory",
     3: "3 OOM recovery",
     4: "4 distill / prune",
+    5: "5 diagnose",
 }
-RATIO_WORDS = {"examples_per_s": "x speed", "step_ms": "x time"}
+RATIO_WORDS = {
+    "examples_per_s": "x speed",
+    "step_ms": "x time",
+    "predicted_over_real": " predicted/real",
+}
 
 
 def table(rows: list[dict]) -> str:
@@ -1070,9 +1246,9 @@ def _sections(text: str) -> str:
     try:
         values = {int(s) for s in text.split(",")}
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected numbers from 1 to 4, got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected numbers from 1 to 5, got {text!r}") from None
     if not values or not values <= set(SECTIONS):
-        raise argparse.ArgumentTypeError(f"expected numbers from 1 to 4, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected numbers from 1 to 5, got {text!r}")
     return text
 
 
@@ -1092,7 +1268,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--sections",
         type=_sections,
-        default="1,2,3,4",
+        default="1,2,3,4,5",
         help="which sections to run (default: %(default)s)",
     )
     p.add_argument("--json", metavar="PATH", help="write every row and the devices as JSON")

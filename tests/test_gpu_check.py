@@ -74,8 +74,8 @@ def test_dry_run_gives_every_row_without_tensorflow(tmp_path):
     result = json.loads(out.read_text())
     rows = result["rows"]
     assert [r["id"] for r in rows] == gpu_check.expected_ids()
-    assert len(rows) == 16
-    assert [r["error"] for r in rows] == [None] * 16
+    assert len(rows) == 20
+    assert [r["error"] for r in rows] == [None] * 20
     assert all(r["dry_run"] and r["backend"] == BACKEND for r in rows)
     # Nothing optional was imported in any worker process (the blocker held, and nothing
     # needed TensorFlow: keras itself imports sklearn and matplotlib where installed).
@@ -83,7 +83,7 @@ def test_dry_run_gives_every_row_without_tensorflow(tmp_path):
     assert result["devices"][BACKEND]["device"] == "CPU"
     # One table, one line per row, each marked as a dry run.
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("| ")]
-    assert len(lines) == 1 + 16 and lines[0].startswith("| section | backend | case |")
+    assert len(lines) == 1 + 20 and lines[0].startswith("| section | backend | case |")
     assert all("dry-run" in ln and "ERROR" not in ln for ln in lines[1:])
     assert [ln for ln in md.read_text().splitlines() if ln.startswith("| ")] == lines
     by_id = {r["id"]: r for r in rows}
@@ -115,6 +115,15 @@ def test_dry_run_gives_every_row_without_tensorflow(tmp_path):
     # 4: per-step cost against its baseline.
     for row_id in ("4/distillation/DistillationModel", "4/pruning/PruningCallback"):
         assert by_id[row_id]["ratio"] > 0 and by_id[row_id]["ratio_of"] == "step_ms"
+    # 5: diagnose's verdict, its shares, its own time, and its top change checked by real fits.
+    for case in gpu_check.DIAGNOSE_CASES:
+        r = by_id[f"5/{case}"]
+        assert r["bottleneck"] in ("input", "host", "compute")
+        assert abs(sum(r["shares"].values()) - 1) < 1e-9
+        assert 0 < r["diagnose_s"] and r["max_seconds"] == 3
+        if r["what_if"]:
+            assert r["top"] == r["what_if"][0]["change"] and r["real"] > 0
+            assert r["ratio"] == pytest.approx(r["predicted"] / r["real"])
 
 
 @pytest.mark.parametrize("cmd", [[str(SCRIPT)], ["-m", "keras_perf", "bench", "--gpu"]])

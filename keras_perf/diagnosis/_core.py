@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import time
 
 import keras
+import numpy as np
 
 from keras_perf import backend as _backend
 from keras_perf._utils import check_bool, check_int, check_number
@@ -13,6 +15,10 @@ from keras_perf.diagnosis._report import Diagnosis
 
 # Share of the budget for the four baseline measurements when what-ifs follow.
 _BASELINE_SHARE = 0.45
+# The shortest fit that times the step alone, and how often its batches may be repeated in
+# memory to make it that long.
+_MIN_FIT_S = 0.1
+_MAX_REPEATS_IN_MEMORY = 16
 
 
 class _Context:
@@ -139,6 +145,21 @@ def _repeat(model, n, slice_end, deadline, max_repeats=7, setups=None, setup=Non
     return min(per_step), n
 
 
+def _alternate(model, runs, slice_end, deadline, max_rounds=7):
+    """Fastest seconds per step of each of `runs` (`(steps, fit_kwargs)` pairs), from fits of
+    each in turn, round after round until `slice_end` (3 to `max_rounds` rounds)."""
+    per_step = [[] for _ in runs]
+    for _ in range(max_rounds):
+        for times, (n, kw) in zip(per_step, runs):
+            seconds, done, clock = _measure.fit_steps(model, n, deadline, **kw)
+            times.append(seconds / done)
+            if clock.late:  # stopped at the deadline
+                return [min(t) if t else times[-1] for t in per_step]
+        if time.perf_counter() > slice_end and len(per_step[0]) >= 3:
+            break
+    return [min(t) for t in per_step]
+
+
 def _steady(clock, skip=1):
     """Seconds per step after the first `skip` batches (the trace), from the batch-end times."""
     times, marks = clock.times, clock.marks
@@ -257,30 +278,47 @@ def _measure_all(
         raise ValueError(f"diagnose: no full batch of size {B} in the data.")
     (xs, ys, sws), m = stacked
 
-    # 3. The step alone on batches in memory, at B and at B/2.
-    def step_alone(bs, m_steps):
-        kw = {"x": xs, "y": ys, "sample_weight": sws, "batch_size": bs, "shuffle": False}
-        t0 = time.perf_counter()
-        _measure.fit_steps(twin, 1, None, **kw)  # traces a new batch shape
-        retrace.append(time.perf_counter() - t0)
-        return _repeat(twin, m_steps, until(slice_s), deadline, **kw)[0]
-
-    retrace = []
-
+    # 3. The step alone on batches in memory, at B and at B/2. Fits of each are alternated, so
+    # that drift on a busy machine hits both alike, and each lasts at least `_MIN_FIT_S` so
+    # that a fit's own end and the timer's noise stay small against the steps (a 0.4 ms step
+    # over 30 steps measured 0.28-0.50 ms from one diagnosis to the next, and once put B/2 30 %
+    # below B): tiny steps run over the batches in memory repeated. The slope between the two
+    # sizes is the compute per example; the rest of a step of `n` steps (as "together" ran, the
+    # same fixed costs of a fit) is host.
     m = min(m, n)
     if source.one_pass:
         n = m
-    t_b = step_alone(B, m)
+    reps = 1
+    if together * m < _MIN_FIT_S:
+        reps = min(math.ceil(_MIN_FIT_S / (together * m)), _MAX_REPEATS_IN_MEMORY)
+    if reps > 1:
+        xs, ys, sws = keras.tree.map_structure(
+            lambda a: None if a is None else np.concatenate([a] * reps), (xs, ys, sws)
+        )
+    sizes = [B, B // 2] if B >= 2 else [B]
+    kwargs = [
+        {"x": xs, "y": ys, "sample_weight": sws, "batch_size": b, "shuffle": False} for b in sizes
+    ]
+    retrace = []
+    for kw in kwargs:
+        t0 = time.perf_counter()
+        _measure.fit_steps(twin, 1, None, **kw)  # traces a new batch shape
+        retrace.append(time.perf_counter() - t0)
+    runs = [(m * reps, kw) for kw in kwargs]
+    if reps > 1:
+        runs.append((m, kwargs[0]))  # at B over `n` steps, as "together"
+    alone = _alternate(twin, runs, until(2 * slice_s), deadline)
+    t_b = alone[len(kwargs)] if reps > 1 else alone[0]
     measured["step_alone_s_per_step"] = t_b
+    if reps > 1:
+        measured[f"step_alone_s_per_step_over_{m * reps}_steps"] = alone[0]
     if B >= 2:
         b2 = B // 2
-        t_b2 = step_alone(b2, m)
-        measured[f"step_alone_s_per_step_at_batch_{b2}"] = t_b2
-        slope = (t_b - t_b2) / (B - b2)
-        host = min(max(t_b - slope * B, 0.0), t_b)
+        measured[f"step_alone_s_per_step_at_batch_{b2}"] = alone[1]
+        compute = min(max((alone[0] - alone[1]) / (B - b2) * B, 0.0), t_b)
+        host = t_b - compute
     else:
-        host = t_b  # one example per step: nothing to separate
-    compute = t_b - host
+        host, compute = t_b, 0.0  # one example per step: nothing to separate
     if source.one_pass:
         together = max(together, t_b)
     input_part = max(together - t_b, 0.0)

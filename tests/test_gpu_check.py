@@ -172,7 +172,7 @@ def test_script_refuses_tensorflow_and_unknown_sections():
     with pytest.raises(SystemExit, match="jax and/or torch"):
         gpu_check._parse_backends("tensorflow")
     with pytest.raises(SystemExit):
-        gpu_check.build_parser().parse_args(["--sections", "5"])
+        gpu_check.build_parser().parse_args(["--sections", "6"])
 
 
 def test_a_process_that_dies_leaves_an_error_in_each_of_its_rows():

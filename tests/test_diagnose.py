@@ -191,15 +191,16 @@ def _pretend_gpu(monkeypatch, compute_capability=(8, 0), memory_bytes=80 * 2**30
         monkeypatch.setattr(_measure, "peak_memory", lambda: peak)
 
 
-def _only(monkeypatch, prefix):
-    """Time only the what-ifs whose name starts with `prefix` (the budget goes to them)."""
+def _only(monkeypatch, *prefixes):
+    """Time only the what-ifs whose name starts with one of `prefixes` (the budget goes to
+    them)."""
     from keras_perf.diagnosis import _what_if
 
     candidates = _what_if.candidates
 
     def some(ctx):
         changes, notes = candidates(ctx)
-        return [c for c in changes if c.change.startswith(prefix)], notes
+        return [c for c in changes if c.change.startswith(prefixes)], notes
 
     monkeypatch.setattr(_what_if, "candidates", some)
 
@@ -252,15 +253,6 @@ def test_mixed_precision_what_if_on_an_accelerator_leaves_the_policy_and_model_a
         np.testing.assert_array_equal(a, b)
 
 
-def test_no_mixed_precision_on_a_gpu_without_tensor_cores(digits, monkeypatch):
-    _pretend_gpu(monkeypatch, compute_capability=(6, 1))
-    _only(monkeypatch, "mixed precision")
-    (x, y), _ = digits
-    d = kp.diagnose(small_mlp(), x, y, batch_size=64, steps=4, max_seconds=4)
-    assert not [w for w in d.what_if if w["change"].startswith("mixed precision")], str(d)
-    assert any("no float16 tensor cores" in n for n in d.notes), d.notes
-
-
 def test_memory_bound_batch_is_micro_batched_instead(digits, monkeypatch):
     """Where twice the peak memory does not fit, the larger batch is timed in slices of the
     current one (kp.loss_scaled's micro-batching), not as it is."""
@@ -270,7 +262,7 @@ def test_memory_bound_batch_is_micro_batched_instead(digits, monkeypatch):
     monkeypatch.setattr(_backend, "reset_peak_memory", lambda: True)  # the peak is this model's
     seen = _record_fits(monkeypatch)
     (x, y), _ = digits
-    _only(monkeypatch, "batch_size")
+    _only(monkeypatch, "batch_size", "mixed precision")
     model = small_mlp()
     before = _variables(model)
     d = kp.diagnose(model, x, y, batch_size=32, steps=8, max_seconds=8)
@@ -283,6 +275,9 @@ def test_memory_bound_batch_is_micro_batched_instead(digits, monkeypatch):
     )
     assert ("float32", 2, 64) in seen, seen  # two slices of 32 per step, timed
     assert any("memory is the limit" in n for n in d.notes), d.notes
+    # A GPU without float16 tensor cores (compute capability 6.1) is offered no mixed precision.
+    assert not [w for w in d.what_if if w["change"].startswith("mixed precision")], str(d)
+    assert any("no float16 tensor cores" in n for n in d.notes), d.notes
     assert not isinstance(model, kp.LossScaleTrainStep)
     for a, b in zip(before, _variables(model)):
         np.testing.assert_array_equal(a, b)

@@ -31,9 +31,18 @@ def test_notebook_is_committed_without_outputs(path):
     assert dirty == [], f"{path.name}: clear the outputs of cells {dirty} before committing"
 
 
+# The diagnose notebook asserts verdicts measured in wall time: it runs with the `timing` tests,
+# alone (beside another test on a 2-core machine its compute-bound MLP measured host-bound:
+# 94 % host, a CI run of 2026-11-26).
+EXECUTED = [
+    pytest.param(p, id=p.stem, marks=[pytest.mark.timing] if p.stem == "diagnose" else [])
+    for p in NOTEBOOKS
+]
+
+
 @pytest.mark.slow
 @pytest.mark.backends("tensorflow")
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+@pytest.mark.parametrize("path", EXECUTED)
 def test_notebook_executes(path, monkeypatch):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")

@@ -19,6 +19,7 @@ _BASELINE_SHARE = 0.45
 # memory to make it that long.
 _MIN_FIT_S = 0.1
 _MAX_REPEATS_IN_MEMORY = 16
+_MAX_REPEATED_BYTES = 256 * 2**20
 
 
 class _Context:
@@ -290,7 +291,12 @@ def _measure_all(
         n = m
     reps = 1
     if together * m < _MIN_FIT_S:
-        reps = min(math.ceil(_MIN_FIT_S / (together * m)), _MAX_REPEATS_IN_MEMORY)
+        nbytes = sum(a.nbytes for a in keras.tree.flatten((xs, ys, sws)) if a is not None)
+        reps = min(
+            math.ceil(_MIN_FIT_S / (together * m)),
+            _MAX_REPEATS_IN_MEMORY,
+            max(_MAX_REPEATED_BYTES // max(nbytes, 1), 1),
+        )
     if reps > 1:
         xs, ys, sws = keras.tree.map_structure(
             lambda a: None if a is None else np.concatenate([a] * reps), (xs, ys, sws)

@@ -15,9 +15,12 @@ exactly, for an MLP 784-1024-1024-10 (Adam, float32) trained with `kp.loss_scale
   `torch.autograd.graph.saved_tensors_hooks`, each storage counted once, weights and input
   data excluded): the activations alone.
 
-TensorFlow's peak depends on the order its executor runs independent ops in, which with
-several inter-op threads (its default) changes from run to run; `--tf-inter-op-threads 1`
-fixes the order. The other two counts repeat exactly.
+TensorFlow's peak depends on the order its executor runs independent ops in. With several
+inter-op threads (its default) that order follows the machine's load; `--tf-inter-op-threads 1`
+runs one op at a time, which repeats within a traced function but still differs from one
+trace to the next (MLP at microbatches=4, batch 8192: 32.7-42.6 MB over five new models in
+one process, about one slice's activation more or less). So each TensorFlow figure is the
+median over `--repeats` new models (3 by default). The other two counts repeat exactly.
 
 The TensorFlow and JAX totals include what does not grow with the batch (the gradients,
 and with k > 1 the accumulators), so each is taken at two batch sizes and the activation
@@ -25,7 +28,7 @@ memory is read as the growth per example: (M(b2) - M(b1)) / (b2 - b1). The ratio
 growth at k = 1 and k = 4 is the reported figure; an ideal k-way split gives 4.
 
 Run: `python benchmarks/_memory.py [--microbatches 4] [--batches 1024 8192]
-[--tf-inter-op-threads N]`; prints one JSON object. Every number is a byte count from the
+[--tf-inter-op-threads N] [--repeats 3]`; prints one JSON object. Every number is a byte count from the
 framework, not a timing.
 """
 
@@ -142,8 +145,14 @@ def _torch(model, x, y) -> int:
     return saved.peak
 
 
-def step_memory(microbatches: int, batch: int) -> int:
-    """Bytes the backend's measure gives for one step at this batch size (see the docstring)."""
+def step_memory(microbatches: int, batch: int, repeats: int = 1) -> int:
+    """Bytes the backend's measure gives for one step at this batch size (see the docstring).
+
+    On TensorFlow the median over `repeats` new models (its peak differs between traces); JAX
+    and torch count the same bytes every time, so they measure once.
+    """
+    if keras.backend.backend() == "tensorflow" and repeats > 1:
+        return int(np.median([step_memory(microbatches, batch) for _ in range(repeats)]))
     model = _model(microbatches)
     x, y = _data(batch)
     model.fit(x, y, batch_size=batch, epochs=1, verbose=0)  # builds weights, optimizer, step
@@ -151,7 +160,9 @@ def step_memory(microbatches: int, batch: int) -> int:
     return measure(model, x, y)
 
 
-def activation_memory(microbatches: int = 4, batches: tuple[int, int] = (1024, 8192)) -> dict:
+def activation_memory(
+    microbatches: int = 4, batches: tuple[int, int] = (1024, 8192), repeats: int = 3
+) -> dict:
     """Per-example growth of step memory at 1 and `microbatches` slices, and their ratio."""
     b1, b2 = batches
     out = {
@@ -160,7 +171,7 @@ def activation_memory(microbatches: int = 4, batches: tuple[int, int] = (1024, 8
         "batches": [b1, b2],
     }
     for k in (1, microbatches):
-        m1, m2 = step_memory(k, b1), step_memory(k, b2)
+        m1, m2 = step_memory(k, b1, repeats), step_memory(k, b2, repeats)
         out[f"bytes_k{k}"] = [m1, m2]
         out[f"per_example_k{k}"] = (m2 - m1) / (b2 - b1)
     out["microbatches"] = microbatches
@@ -178,16 +189,26 @@ def main() -> None:
         type=int,
         default=0,
         help="TensorFlow only: inter-op threads (0: TensorFlow's default, as users run it; "
-        "1: one op at a time, so the executor's order and the peak repeat from run to run)",
+        "1: one op at a time, so the executor's order no longer follows the machine's load)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="TensorFlow only: new models per figure, the median taken (its peak differs "
+        "between traces)",
     )
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {args.repeats}")
     if keras.backend.backend() == "tensorflow" and args.tf_inter_op_threads:
         import tensorflow as tf
 
         tf.config.threading.set_inter_op_parallelism_threads(args.tf_inter_op_threads)
-    result = activation_memory(args.microbatches, tuple(args.batches))
+    result = activation_memory(args.microbatches, tuple(args.batches), args.repeats)
     if result["backend"] == "tensorflow":
         result["tf_inter_op_threads"] = args.tf_inter_op_threads or "default"
+        result["repeats"] = args.repeats
     print(json.dumps(result))
 
 

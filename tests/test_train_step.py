@@ -114,17 +114,21 @@ def test_microbatches_changeable_between_fits():
 
 # What micro-batching is for: a step at microbatches=4 holds about a quarter of the activations.
 # benchmarks/_memory.py reads byte counts (not timings) from each backend: TensorFlow's CPU
-# allocator peak (its default threading, as users run it), XLA's temp buffers, or the tensors
-# autograd saves for backward. Measured there over 10 runs: TF 3.10-5.43 and whole step
-# 2.16-2.92 (its peak follows the executor's op order; 2.04-2.58 and 1.66-1.88 while the first
-# slice overlapped the loop), JAX 3.74 and 3.01, torch exactly 4 and 4.
-_ACTIVATION_RATIO_FLOOR = {"tensorflow": 2.8, "jax": 3.0, "torch": 4.0}
+# allocator peak, XLA's temp buffers, or the tensors autograd saves for backward. TensorFlow's
+# peak follows its executor's op order: with its default inter-op threads that order follows
+# the machine's load (a CI run measured 2.64 while the first slice overlapped the loop), so the
+# test runs one op at a time, where the peak still differs by about a slice from one trace to
+# the next; each TF figure is the median over 3 new models. Measured 2026-11-26 over 8 runs:
+# TF 4.37-6.09 and whole step 2.79-3.47; JAX 3.74 and 3.01, torch exactly 4 and 4.
+_ACTIVATION_RATIO_FLOOR = {"tensorflow": 3.0, "jax": 3.0, "torch": 4.0}
 
 
 def test_microbatches_cut_activation_memory():
     script = Path(__file__).resolve().parents[1] / "benchmarks" / "_memory.py"
     run = subprocess.run(
-        [sys.executable, str(script), "--batches", "1024", "8192"], capture_output=True, text=True
+        [sys.executable, str(script), "--batches", "1024", "8192", "--tf-inter-op-threads", "1"],
+        capture_output=True,
+        text=True,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     res = json.loads(run.stdout.strip().splitlines()[-1])

@@ -25,8 +25,8 @@ Measured, on the backend picked by KERAS_BACKEND, in one process, alternated (pe
    a CPU: benchmarks/_memory.py in its own process, which reads each backend's own byte
    counts (TF allocator peak, XLA temp buffers, tensors saved for backward) at batches 1024
    and 8192 and reports the ratio of their growth per example (a count, not a timing); on
-   TF the median over 3 new models, also with one inter-op thread, where its peak no longer
-   follows the machine's load.
+   TF the median over 3 new models (one under `--quick`), and in a full run also with one
+   inter-op thread, where its peak no longer follows the machine's load.
 4. The bare-framework floor, no target: the same MLP written as a hand-written training step
    on the backend itself (benchmarks/_floors.py: `tf.function`, `jax.jit`, torch eager, Adam),
    timed the same way. (a) with vs without the non-finite check (global gradient norm, update
@@ -281,8 +281,9 @@ def main() -> None:
     if not args.quick:
         rows += framework_rows(x_flat, y, x_img, 40 if keras.backend.backend() == "jax" else 160)
     if not kb.has_accelerator():
-        rows.append(cpu_activation_memory())
-        if keras.backend.backend() == "tensorflow":
+        # --quick: one trace per TF figure (a smoke run; three cost about 45 s more).
+        rows.append(cpu_activation_memory(*(("--repeats", "1") if args.quick else ())))
+        if keras.backend.backend() == "tensorflow" and not args.quick:
             # The same with one op at a time: TensorFlow's peak then no longer follows the load.
             rows.append(cpu_activation_memory("--tf-inter-op-threads", "1", target="(info)"))
     else:

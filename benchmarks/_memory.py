@@ -28,8 +28,8 @@ memory is read as the growth per example: (M(b2) - M(b1)) / (b2 - b1). The ratio
 growth at k = 1 and k = 4 is the reported figure; an ideal k-way split gives 4.
 
 Run: `python benchmarks/_memory.py [--microbatches 4] [--batches 1024 8192]
-[--tf-inter-op-threads N] [--repeats 3]`; prints one JSON object. Every number is a byte count from the
-framework, not a timing.
+[--tf-inter-op-threads N] [--repeats 3]`; prints one JSON object. Every number is a byte
+count from the framework, not a timing.
 """
 
 from __future__ import annotations

@@ -116,7 +116,7 @@ def test_microbatches_changeable_between_fits():
 # benchmarks/_memory.py reads byte counts (not timings) from each backend: TensorFlow's CPU
 # allocator peak, XLA's temp buffers, or the tensors autograd saves for backward. TensorFlow's
 # peak follows its executor's op order: with its default inter-op threads that order follows
-# the machine's load (a CI run measured 2.64 while the first slice overlapped the loop), so the
+# the machine's load (the project's CI measured 2.64 so, against a floor of 2.8), so the
 # test runs one op at a time, where the peak still differs by about a slice from one trace to
 # the next; each TF figure is the median over 3 new models. Measured 2026-11-26 over 8 runs:
 # TF 4.37-6.09 and whole step 2.79-3.47; JAX 3.74 and 3.01, torch exactly 4 and 4.

@@ -391,6 +391,21 @@ def test_the_budget_holds_when_a_change_compiles_for_seconds(digits, monkeypatch
     assert any(n.startswith("jit_compile=True not measured") for n in d.notes), d.notes
 
 
+def test_tiny_steps_repeat_the_batches_in_memory_within_16x_and_256_mib():
+    """The step-alone fits of a tiny step run over the in-memory batches repeated until a fit
+    lasts 0.1 s, but never past 16 copies or 256 MiB of them (a user's large inputs)."""
+    from keras_perf.diagnosis._core import _repeats_in_memory
+
+    mib = 2**20
+    assert _repeats_in_memory(0.2, 10 * mib) == 1  # long enough already
+    assert _repeats_in_memory(0.1, 10 * mib) == 1
+    assert _repeats_in_memory(0.03, 1 * mib) == 4  # ceil(0.1 / 0.03)
+    assert _repeats_in_memory(0.001, 1 * mib) == 16  # 100 wanted, 16 at most
+    assert _repeats_in_memory(0.001, 64 * mib) == 4  # 256 MiB / 64 MiB
+    assert _repeats_in_memory(0.001, 300 * mib) == 1  # one copy is over the cap already
+    assert _repeats_in_memory(0.0, 0) == 16  # a step too fast to time, no arrays
+
+
 def test_wide_mlp_at_large_batch_is_compute_bound():
     keras.utils.set_random_seed(0)
     model = keras.Sequential(

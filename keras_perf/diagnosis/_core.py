@@ -22,6 +22,15 @@ _MAX_REPEATS_IN_MEMORY = 16
 _MAX_REPEATED_BYTES = 256 * 2**20
 
 
+def _repeats_in_memory(fit_s: float, nbytes: int) -> int:
+    """How many times to repeat the in-memory batches so that a fit of them lasts `_MIN_FIT_S`
+    (`fit_s`: their fit once), at most `_MAX_REPEATS_IN_MEMORY` times and `_MAX_REPEATED_BYTES`."""
+    if fit_s >= _MIN_FIT_S:
+        return 1
+    wanted = math.ceil(_MIN_FIT_S / fit_s) if fit_s > 0 else _MAX_REPEATS_IN_MEMORY
+    return max(min(wanted, _MAX_REPEATS_IN_MEMORY, _MAX_REPEATED_BYTES // max(nbytes, 1)), 1)
+
+
 class _Context:
     """What the what-ifs need to know about this run."""
 
@@ -289,14 +298,8 @@ def _measure_all(
     m = min(m, n)
     if source.one_pass:
         n = m
-    reps = 1
-    if together * m < _MIN_FIT_S:
-        nbytes = sum(a.nbytes for a in keras.tree.flatten((xs, ys, sws)) if a is not None)
-        reps = min(
-            math.ceil(_MIN_FIT_S / (together * m)),
-            _MAX_REPEATS_IN_MEMORY,
-            max(_MAX_REPEATED_BYTES // max(nbytes, 1), 1),
-        )
+    nbytes = sum(a.nbytes for a in keras.tree.flatten((xs, ys, sws)) if a is not None)
+    reps = _repeats_in_memory(together * m, nbytes)
     if reps > 1:
         xs, ys, sws = keras.tree.map_structure(
             lambda a: None if a is None else np.concatenate([a] * reps), (xs, ys, sws)

@@ -228,7 +228,7 @@ def report(result: dict, args) -> int:
 
 
 def merge(paths: list[str], args) -> int:
-    """One table from the JSON of several runs (say one per backend on a time-limited box)."""
+    """One table from the JSON of several runs (say one per backend, or some sections at a time)."""
     result = None
     for p in paths:
         part = json.loads(Path(p).read_text())

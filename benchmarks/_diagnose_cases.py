@@ -1,6 +1,6 @@
 """The cases behind kp.diagnose's claims, and the real `fit` that checks a predicted speed-up.
 
-Shared by `bench_diagnose.py` (CPU, digits) and section 5 of `gpu_check.py` (GPU, synthetic
+Shared by `bench_diagnose.py` (CPU, digits) and section 5 of `gpu_check` (GPU, synthetic
 data of digits' shape: the GPU image has no scikit-learn). Keras and NumPy only.
 """
 

@@ -20,10 +20,23 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+# The repository root: the folder holding this package, put on a child process's path.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def module_command(module: str, env: dict | None = None) -> tuple[list[str], dict]:
+    """`python -m module` for a module of this package, and its environment: `env` (default:
+    this process's) with the repository root first on `PYTHONPATH`, so that the package
+    imports whatever the child's working directory."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+    return [sys.executable, "-m", module], env
 
 
 def parse_args(description: str) -> argparse.Namespace:

@@ -27,7 +27,7 @@ and with k > 1 the accumulators), so each is taken at two batch sizes and the ac
 memory is read as the growth per example: (M(b2) - M(b1)) / (b2 - b1). The ratio of that
 growth at k = 1 and k = 4 is the reported figure; an ideal k-way split gives 4.
 
-Run: `python benchmarks/_memory.py [--microbatches 4] [--batches 1024 8192]
+Run: `python -m benchmarks._memory [--microbatches 4] [--batches 1024 8192]
 [--tf-inter-op-threads N] [--repeats 3]`; prints one JSON object. Every number is a byte
 count from the framework, not a timing.
 """
@@ -50,9 +50,10 @@ import weakref  # noqa: E402
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
-from _harness import compile_sce, mlp  # noqa: E402
 
 import keras_perf as kp  # noqa: E402
+
+from ._harness import compile_sce, mlp  # noqa: E402
 
 WHAT = {
     "tensorflow": "TF CPU allocator peak during one compiled step (BFC)",

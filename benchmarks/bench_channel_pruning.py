@@ -28,24 +28,23 @@ the reference where the target cannot be reached) and shrink / twin, each the me
 wall and process CPU time with its spread (min, max). Each row's note has the median
 milliseconds per call of the three models and the 1-minute load average. Run:
 
-    KERAS_BACKEND=tensorflow python benchmarks/bench_channel_pruning.py [--quick] [--json out.json]
+    KERAS_BACKEND=tensorflow python -m benchmarks.bench_channel_pruning [--quick] [--json out.json]
 """
 
 from __future__ import annotations
 
 import os
 import statistics
-import sys
 import tempfile
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-from _harness import finish, parse_args, row, summarize, timed  # noqa: E402
+import keras
+import numpy as np
 
-import keras_perf as kp  # noqa: E402
-from keras_perf.bench import machine  # noqa: E402
+import keras_perf as kp
+from keras_perf.bench import machine
+
+from ._harness import finish, parse_args, row, summarize, timed
 
 warnings.filterwarnings("ignore", message=r"(?s).*tf.lite.Interpreter is deprecated")
 L = keras.layers

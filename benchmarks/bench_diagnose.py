@@ -10,23 +10,21 @@ For each: the verdict; the top what-if's predicted speed-up next to the real one
 within 25 %); and the cost of diagnose itself (target: below `max_seconds` plus the set-up).
 torch runs with one intra-op thread (`torch.set_num_threads(1)`).
 
-Run: python benchmarks/bench_diagnose.py [--quick] [--json PATH]
+Run: python -m benchmarks.bench_diagnose [--quick] [--json PATH]
 """
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _harness  # noqa: E402
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-from _diagnose_cases import Sleepy, real_speedup  # noqa: E402
-from _harness import digits, finish, parse_args, row  # noqa: E402
+import keras
+import numpy as np
 
-import keras_perf as kp  # noqa: E402
+import keras_perf as kp
+
+from . import _harness
+from ._diagnose_cases import Sleepy, real_speedup
+from ._harness import digits, finish, parse_args, row
 
 if keras.backend.backend() == "torch":
     import torch

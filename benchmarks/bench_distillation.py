@@ -18,22 +18,18 @@ baseline is a compiled step, so PyTorch runs claim 2 only), in one process, ABBA
    doing the same math in `compute_loss` (the stock Keras train step): what our train step
    adds, apart from what `fit` itself costs over a bare loop.
 
-Run: `python benchmarks/bench_distillation.py [--quick] [--json out.json]`.
+Run: `python -m benchmarks.bench_distillation [--quick] [--json out.json]`.
 """
 
 from __future__ import annotations
 
-import os
-import sys
+import keras
+import numpy as np
+from keras import ops
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import keras_perf as kp
 
-import _harness  # noqa: E402
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-from keras import ops  # noqa: E402
-
-import keras_perf as kp  # noqa: E402
+from . import _harness
 
 T, ALPHA, BATCH = 3.0, 0.7, 256
 

@@ -3,18 +3,15 @@
 An MLP on 64 features, batch 32, 64 steps per epoch (2048 examples), trained 3 epochs (`--quick`: 1) per
 timed unit; the two variants share one model and alternate A B B A. Target: <= 1.02x.
 
-    KERAS_BACKEND=tensorflow python benchmarks/bench_monitor.py [--quick] [--json PATH]
+    KERAS_BACKEND=tensorflow python -m benchmarks.bench_monitor [--quick] [--json PATH]
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks._harness import abba, finish, mlp, parse_args, row, summarize  # noqa: E402
+from ._harness import abba, finish, mlp, parse_args, row, summarize
 
 
 def main() -> None:

@@ -10,22 +10,20 @@
    restoring the snapshot, clearing memory, making the `loss_scaled` twin and compiling its
    train step. Reported as a ratio and in seconds.
 
-Run: python benchmarks/bench_oom.py [--quick] [--json PATH]
+Run: python -m benchmarks.bench_oom [--quick] [--json PATH]
 """
 
 from __future__ import annotations
 
-import os
 import statistics
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _harness  # noqa: E402
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-from _harness import abba, finish, parse_args, row, timed  # noqa: E402
+import keras
+import numpy as np
 
-import keras_perf as kp  # noqa: E402
+import keras_perf as kp
+
+from . import _harness
+from ._harness import abba, finish, parse_args, row, timed
 
 
 def mlp(seed=0):

@@ -17,7 +17,7 @@ function, against the plain model's train function, alternated step by step (100
 timed unit is one epoch of `fit` on digits-sized data (1437 x 64 features, MLP 64-512-512-10,
 batch 32: 45 steps), alternated A B B A. Run:
 
-    KERAS_BACKEND=tensorflow python benchmarks/bench_pruning.py [--quick] [--json out.json]
+    KERAS_BACKEND=tensorflow python -m benchmarks.bench_pruning [--quick] [--json out.json]
 """
 
 from __future__ import annotations
@@ -25,17 +25,16 @@ from __future__ import annotations
 import contextlib
 import gzip
 import os
-import sys
 import tempfile
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-from _harness import abba, compile_sce, finish, interleaved, mlp, one_step, parse_args, row  # noqa: E402
+import keras
+import numpy as np
 
-import keras_perf as kp  # noqa: E402
-from keras_perf.data import load_digits_split  # noqa: E402
+import keras_perf as kp
+from keras_perf.data import load_digits_split
+
+from ._harness import abba, compile_sce, finish, interleaved, mlp, one_step, parse_args, row
 
 HIDDEN = 512
 BATCH = 32

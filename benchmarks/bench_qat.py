@@ -24,7 +24,7 @@ Claims (docs/quantization.md, "Results"):
 
 Run:
 
-    KERAS_BACKEND=tensorflow python benchmarks/bench_qat.py [--quick] [--json out.json]
+    KERAS_BACKEND=tensorflow python -m benchmarks.bench_qat [--quick] [--json out.json]
 
 tfmot rows need the TensorFlow backend (tfmot runs on tf_keras); the other rows run on every
 backend (the int8 files are written through a TensorFlow child process on JAX and PyTorch).
@@ -33,16 +33,15 @@ backend (the int8 files are written through a TensorFlow child process on JAX an
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-from _harness import digits, finish, interleaved, one_step, parse_args, row  # noqa: E402
+import keras
+import numpy as np
 
-import keras_perf as kp  # noqa: E402
+import keras_perf as kp
+
+from ._harness import digits, finish, interleaved, one_step, parse_args, row
 
 BATCH = 32
 EPOCHS = 10

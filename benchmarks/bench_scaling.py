@@ -11,7 +11,7 @@ batch 256, the same global batch on 1 and 2 devices), ABBA, median. The devices 
 configured before the backend starts, so the measurement runs in a child process.
 PyTorch: Keras has no data-parallel `fit` on that backend; no rows.
 
-Run: `python benchmarks/bench_scaling.py [--quick] [--json out.json]`.
+Run: `python -m benchmarks.bench_scaling [--quick] [--json out.json]`.
 """
 
 from __future__ import annotations
@@ -21,9 +21,7 @@ import os
 import subprocess
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import _harness  # noqa: E402
+from . import _harness
 
 BATCH = 256
 
@@ -122,11 +120,11 @@ def main() -> None:
     backend = keras.backend.backend()
     rows: list[dict] = []
     if backend in ("tensorflow", "jax"):
-        env = dict(os.environ, KERAS_BACKEND=backend)
+        cmd, env = _harness.module_command(__spec__.name, dict(os.environ, KERAS_BACKEND=backend))
         if backend == "jax":
             flags = env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
             env["XLA_FLAGS"] = flags.strip()
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", backend]
+        cmd += ["--child", backend]
         proc = subprocess.run(
             cmd + (["--quick"] if args.quick else []),
             env=env,

@@ -15,22 +15,16 @@ unit of work is one `fit` call of several epochs (MLP 64-256-256-10 on scikit-le
    real model, added to the median epoch time of plain `fit`. On a shared machine the ABBA
    ratios above carry several % of noise either way; this bound does not.
 
-Run: `python benchmarks/bench_stopping.py [--quick] [--json out.json]`.
+Run: `python -m benchmarks.bench_stopping [--quick] [--json out.json]`.
 """
 
 from __future__ import annotations
 
-import os
-import sys
+import keras
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(1, os.path.dirname(HERE))  # this checkout's keras_perf
+import keras_perf as kp
 
-import _harness  # noqa: E402
-import keras  # noqa: E402
-
-import keras_perf as kp  # noqa: E402
+from . import _harness
 
 NEVER = 10**9  # patience / seconds large enough never to stop the run
 

@@ -38,23 +38,21 @@ Measured, on the backend picked by KERAS_BACKEND, in one process, alternated (pe
    jax-ml/jax#12868); (d) torch: gradient accumulation written by hand around the same
    Keras model, 4 slices vs 1 at batch 512, against claim 2's MLP row.
 
-Run: `python benchmarks/bench_train_step.py [--quick] [--json out.json]`.
+Run: `python -m benchmarks.bench_train_step [--quick] [--json out.json]`.
 """
 
 from __future__ import annotations
 
-import os
-import sys
+import keras
+import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import keras_perf as kp
+from keras_perf import backend as kb
 
-import _floors  # noqa: E402
-import _harness  # noqa: E402
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-
-import keras_perf as kp  # noqa: E402
-from keras_perf import backend as kb  # noqa: E402
+from . import (
+    _floors,
+    _harness,
+)
 
 
 def mlp(width: int = 1024, depth: int = 2, inputs: int = 784) -> keras.Model:
@@ -219,14 +217,15 @@ def peak_memory(microbatches: int) -> int | None:
 
 
 def cpu_activation_memory(*extra: str, target: str = ">= 2") -> dict:
-    """Row for claim 3 on a CPU, from benchmarks/_memory.py run as its own process."""
+    """Row for claim 3 on a CPU, from benchmarks._memory run as its own process."""
     import json
     import subprocess
 
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_memory.py")
+    cmd, env = _harness.module_command(f"{__package__}._memory")
     batches = ["1024", "8192"]  # also under --quick: byte counts cost seconds, not minutes
     out = subprocess.run(
-        [sys.executable, script, "--batches", *batches, *extra],
+        [*cmd, "--batches", *batches, *extra],
+        env=env,
         capture_output=True,
         text=True,
         check=True,

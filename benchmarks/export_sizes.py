@@ -6,7 +6,7 @@ accuracy in the TFLite interpreter, and argmax agreement with the Keras model. A
 `kp.compression_report` totals for the Keras model before and after 80 % magnitude pruning of
 its kernels (numpy, one-shot) to show what gzip sees.
 
-    KERAS_BACKEND=tensorflow python benchmarks/export_sizes.py [--json PATH]
+    KERAS_BACKEND=tensorflow python -m benchmarks.export_sizes [--json PATH]
 
 Not a `bench_*` script: there is no timing here, so no ABBA and no ratio to a baseline.
 """
@@ -17,17 +17,16 @@ import argparse
 import gzip
 import json
 import os
-import sys
 import tempfile
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import _harness  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_perf as kp  # noqa: E402
+
+from . import _harness  # noqa: E402
 
 digits = _harness.digits
 

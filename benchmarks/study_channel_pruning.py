@@ -16,7 +16,7 @@ batch 32 (45 steps per epoch), `EPOCHS` epochs in every variant:
 
 Test accuracy (%) is the mean ± std over the seeds. Run:
 
-    KERAS_BACKEND=tensorflow python benchmarks/study_channel_pruning.py --json study.json [--quick]
+    KERAS_BACKEND=tensorflow python -m benchmarks.study_channel_pruning --json study.json [--quick]
 """
 
 from __future__ import annotations
@@ -25,17 +25,16 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import _harness  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import keras_perf as kp  # noqa: E402
+
+from . import _harness  # noqa: E402
 
 SEEDS = (0, 1, 2)
 FRACTIONS = (0.25, 0.5, 0.75, 0.9)

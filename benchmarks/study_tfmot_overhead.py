@@ -11,7 +11,7 @@ plain Keras 3, Keras 3 + `kp.PruningCallback`, plain tf_keras, tf_keras + tfmot'
 `prune_low_magnitude` and `UpdatePruningStep`. Same schedule in both (PolynomialDecay
 0 -> 0.8, end 100000, frequency 100: active for the whole run), Adam 1e-3, accuracy metric.
 
-    KERAS_BACKEND=tensorflow python benchmarks/study_tfmot_overhead.py [--repeats 5]
+    KERAS_BACKEND=tensorflow python -m benchmarks.study_tfmot_overhead [--repeats 5]
         [--steps-per-execution 1] [--arch mlp deep_mlp tutorial_cnn cnn]
 """
 

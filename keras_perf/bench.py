@@ -1,15 +1,16 @@
-"""`keras-perf bench`: run every `benchmarks/bench_*.py` script and print one table.
+"""`keras-perf bench`: run every `benchmarks.bench_*` module and print one table.
 
-Each script measures one claim as a ratio against plain Keras (ABBA, median of repeats; see
-benchmarks/_harness.py) and writes its rows as JSON; this runner starts each script in its own
-process (a fresh backend, no state carried between claims), collects the rows and prints them
-with the target beside each figure. `--quick` (a smoke run: fewer repeats and steps) runs the
-scripts one after another in a single process instead, which saves one backend import per
-script (about 8 s each for TensorFlow on 2 cores). The scripts live in the source tree, not in the installed
-package: run from a checkout, or point `--dir` at a `benchmarks/` folder.
+Each module measures one claim as a ratio against plain Keras (ABBA, median of repeats; see
+benchmarks/_harness.py) and writes its rows as JSON; this runner starts each one in its own
+process (`python -m benchmarks.bench_x`: a fresh backend, no state carried between claims),
+collects the rows and prints them with the target beside each figure. `--quick` (a smoke run:
+fewer repeats and steps) runs the modules one after another in a single process instead, which
+saves one backend import per module (about 8 s each for TensorFlow on 2 cores). The benchmarks
+live in the repository, not in the installed package: run from a checkout, or point `--dir` at
+its `benchmarks/` folder; without one the command says so in one line and exits with code 2.
 
-`--gpu` runs `benchmarks/gpu_check.py` instead (the GPU claims, on JAX and torch; `--dry-run`
-runs it on the CPU with tiny sizes). See docs/gpu.md.
+`--gpu` runs the `benchmarks.gpu_check` package instead (the GPU claims, on JAX and torch;
+`--dry-run` runs it on the CPU with tiny sizes). See docs/gpu.md.
 """
 
 from __future__ import annotations
@@ -25,39 +26,61 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+# A checkout keeps the benchmarks beside the keras_perf package; a pip install has none there.
+CHECKOUT_BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+NOT_INSTALLED = (
+    "the benchmarks are not installed with the package, they live in the keras-perf "
+    "repository: clone it and run `keras-perf bench` from its root (or pass --dir "
+    "PATH/TO/keras-perf/benchmarks)"
+)
+
 
 def find_benchmarks(directory: str | None = None) -> Path:
-    """The benchmarks folder: `directory`, else `./benchmarks`, else the checkout's own."""
-    candidates = (
-        [Path(directory)]
-        if directory
-        else [
-            Path.cwd() / "benchmarks",
-            Path(__file__).resolve().parent.parent / "benchmarks",
-        ]
-    )
-    for c in candidates:
-        if c.is_dir() and any(c.glob("bench_*.py")):
-            return c
-    where = ", ".join(str(c) for c in candidates)
-    raise FileNotFoundError(
-        f"No benchmarks/bench_*.py scripts found (looked in {where}). The benchmark scripts "
-        "ship with the source checkout: run `keras-perf bench` from the repository root or "
-        "pass `--dir PATH/TO/benchmarks`."
-    )
+    """The benchmarks folder: `directory`, else `./benchmarks`, else the checkout's own.
+
+    Raises FileNotFoundError, with a one-line message that says what to do, where there is none.
+    """
+    if directory is None:
+        for c in (Path.cwd() / "benchmarks", CHECKOUT_BENCHMARKS):
+            if c.is_dir() and any(c.glob("bench_*.py")):
+                return c.resolve()
+        raise FileNotFoundError(NOT_INSTALLED)
+    folder = Path(directory).resolve()
+    if not (folder.is_dir() and any(folder.glob("bench_*.py"))):
+        raise FileNotFoundError(f"--dir {directory}: no bench_*.py modules in {folder}")
+    if not folder.name.isidentifier():
+        raise FileNotFoundError(
+            f"--dir {directory}: the folder's name must be a Python identifier, since its "
+            f"modules run as `python -m {folder.name}.bench_x`"
+        )
+    return folder
+
+
+def module_name(script: Path) -> str:
+    """`benchmarks/bench_x.py` -> `benchmarks.bench_x` (run with the folder's parent as cwd)."""
+    return f"{script.parent.name}.{script.stem}"
+
+
+def _child_env(backend: str, root: Path) -> dict:
+    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
+    return env
 
 
 def run_script(script: Path, backend: str, quick: bool, timeout: float) -> dict:
-    """Run one benchmark script; returns {"script", "backend", "rows", "seconds", "error"}."""
+    """Run one benchmark module (`python -m`, from the folder's parent); returns
+    {"script", "backend", "rows", "seconds", "error"}."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
-        cmd = [sys.executable, str(script), "--json", str(out)] + (["--quick"] if quick else [])
-        env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2")
-        root = str(script.parent.parent)
-        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+        cmd = [sys.executable, "-m", module_name(script), "--json", str(out)]
+        cmd += ["--quick"] if quick else []
+        root = script.parent.parent
+        env = _child_env(backend, root)
         t0 = time.perf_counter()
         try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+            proc = subprocess.run(
+                cmd, env=env, cwd=root, capture_output=True, text=True, timeout=timeout
+            )
         except subprocess.TimeoutExpired:
             return _failed(script, backend, t0, f"timed out after {timeout:.0f} s")
         if proc.returncode != 0 or not out.exists():
@@ -73,18 +96,17 @@ def run_script(script: Path, backend: str, quick: bool, timeout: float) -> dict:
     }
 
 
-# Runs in the child process of a quick run: every script in turn, in this one interpreter.
-# Markers on stdout tell the parent when a script starts and ends.
+# Runs in the child process of a quick run (started in the folder's parent): every module in
+# turn, in this one interpreter. Markers on stdout tell the parent when one starts and ends.
 _DRIVER = r"""
-import json, os, runpy, sys, time, traceback
+import json, runpy, sys, time, traceback
 jobs = json.loads(sys.argv[1])
-sys.path.insert(0, os.path.dirname(jobs[0]["script"]))
 for job in jobs:
     print("@@start " + job["script"], flush=True)
     sys.argv = [job["script"], "--quick", "--json", job["json"]]
     t0, error = time.perf_counter(), None
     try:
-        runpy.run_path(job["script"], run_name="__main__")
+        runpy.run_module(job["module"], run_name="__main__", alter_sys=True)
     except SystemExit as e:
         if e.code not in (None, 0):
             error = f"exit {e.code}"
@@ -109,16 +131,18 @@ def run_in_one_process(
     """
     results: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
-        jobs = [{"script": str(s), "json": str(Path(tmp) / f"{s.stem}.json")} for s in scripts]
-        env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2")
-        root = str(scripts[0].parent.parent)
-        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+        jobs = [
+            {"script": str(s), "module": module_name(s), "json": str(Path(tmp) / f"{s.stem}.json")}
+            for s in scripts
+        ]
+        root = scripts[0].parent.parent
+        env = _child_env(backend, root)
         cmd = [sys.executable, "-c", _DRIVER, json.dumps(jobs)]
         t0 = time.perf_counter()
         current = None
         tail: list[str] = []
         with subprocess.Popen(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            cmd, env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         ) as proc:
             # A watchdog, not a check per line: a script that hangs prints nothing.
             watchdog = threading.Timer(timeout, proc.kill)
@@ -233,8 +257,9 @@ def machine() -> str:
 
 
 def gpu_command(args, folder: Path) -> list[str]:
-    """The command line of `keras-perf bench --gpu`: benchmarks/gpu_check.py and its flags."""
-    cmd = [sys.executable, str(folder / "gpu_check.py")]
+    """The command line of `keras-perf bench --gpu`: `python -m benchmarks.gpu_check` and its
+    flags (run from the folder's parent)."""
+    cmd = [sys.executable, "-m", f"{folder.name}.gpu_check"]
     cmd += ["--dry-run"] if args.dry_run else []
     cmd += ["--backends", args.backends or "jax,torch"]
     for flag in ("json", "markdown"):
@@ -244,20 +269,26 @@ def gpu_command(args, folder: Path) -> list[str]:
 
 
 def run_gpu_check(args, folder: Path) -> int:
-    """`keras-perf bench --gpu`: run benchmarks/gpu_check.py (it starts its own processes, one
-    backend at a time, and prints one table); returns its exit code."""
+    """`keras-perf bench --gpu`: run the `benchmarks.gpu_check` package (it starts its own
+    processes, one backend at a time, and prints one table); returns its exit code."""
     if args.quick or args.only:
         print(
             "keras-perf bench: --quick and --only do not apply to --gpu (use --dry-run for "
-            "a smoke run; `python benchmarks/gpu_check.py --sections 1,3` runs some "
+            "a smoke run; `python -m benchmarks.gpu_check --sections 1,3` runs some "
             "sections)",
             file=sys.stderr,
         )
         return 2
-    if not (folder / "gpu_check.py").is_file():
-        print(f"keras-perf bench: no gpu_check.py in {folder}", file=sys.stderr)
+    if not (folder / "gpu_check" / "__main__.py").is_file():
+        print(f"keras-perf bench: no gpu_check package in {folder}", file=sys.stderr)
         return 2
-    return subprocess.call(gpu_command(args, folder))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(folder.parent), env.get("PYTHONPATH")) if p)
+    # Relative --json / --markdown paths name files in the caller's folder, not the child's.
+    for flag in ("json", "markdown"):
+        if getattr(args, flag):
+            setattr(args, flag, os.path.abspath(getattr(args, flag)))
+    return subprocess.call(gpu_command(args, folder), env=env, cwd=folder.parent)
 
 
 def main(args) -> int:

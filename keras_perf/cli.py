@@ -230,7 +230,7 @@ def demo(args: argparse.Namespace) -> int:
 
 
 def bench(args: argparse.Namespace) -> int:
-    """Run benchmarks/bench_*.py and print one table (see keras_perf/bench.py)."""
+    """Run the benchmarks.bench_* modules and print one table (see keras_perf/bench.py)."""
     bench_module = importlib.import_module("keras_perf.bench")  # needs no Keras to start
     return bench_module.main(args)
 
@@ -357,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--gpu",
         action="store_true",
-        help="the GPU check instead (benchmarks/gpu_check.py, JAX and torch; see docs/gpu.md)",
+        help="the GPU check instead (benchmarks.gpu_check, JAX and torch; see docs/gpu.md)",
     )
     p.add_argument(
         "--dry-run", action="store_true", help="with --gpu: the whole check on the CPU, tiny sizes"

@@ -335,6 +335,32 @@ def test_bench_without_scripts_says_where_it_looked(tmp_path, capsys):
     assert "bench_*.py" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("gpu", [[], ["--gpu"]])
+def test_bench_after_a_plain_pip_install_says_it_needs_the_repository(tmp_path, gpu):
+    # The package alone, as pip installs it (no benchmarks/ beside it), run from a folder
+    # without benchmarks/: one line on stderr saying where the benchmarks are, exit code 2.
+    import shutil
+    from pathlib import Path
+
+    site = tmp_path / "site-packages"
+    package = Path(cli.__file__).resolve().parent
+    shutil.copytree(package, site / "keras_perf", ignore=shutil.ignore_patterns("__pycache__"))
+    env = dict(os.environ, PYTHONPATH=str(site))
+    proc = subprocess.run(
+        [sys.executable, "-m", "keras_perf", "bench", *gpu],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "keras-perf repository: clone it and run `keras-perf bench` from its root" in (
+        proc.stderr
+    )
+
+
 _GOOD_SCRIPT = """
 import json, sys
 args = sys.argv[1:]
@@ -344,15 +370,25 @@ json.dump({"rows": rows}, open(args[args.index("--json") + 1], "w"))
 """
 
 
+def _stub_package(tmp_path):
+    """A `benchmarks` package of stub modules, run as `python -m benchmarks.bench_x` from
+    tmp_path (a regular package: it comes before the checkout's on the child's path)."""
+    folder = tmp_path / "benchmarks"
+    folder.mkdir()
+    (folder / "__init__.py").write_text("")
+    return folder
+
+
 @pytest.mark.parametrize("quick", [True, False])
 def test_bench_reports_rows_and_failures_per_script(tmp_path, capsys, monkeypatch, quick):
-    # Stub scripts: one good, one raising, one exiting non-zero. Each is reported on its own,
+    # Stub modules: one good, one raising, one exiting non-zero. Each is reported on its own,
     # the good rows still print, and the exit code says something failed.
-    (tmp_path / "bench_a.py").write_text(_GOOD_SCRIPT)
-    (tmp_path / "bench_b.py").write_text("raise RuntimeError('broken on purpose')\n")
-    (tmp_path / "bench_c.py").write_text("import sys; sys.exit(3)\n")
+    folder = _stub_package(tmp_path)
+    (folder / "bench_a.py").write_text(_GOOD_SCRIPT)
+    (folder / "bench_b.py").write_text("raise RuntimeError('broken on purpose')\n")
+    (folder / "bench_c.py").write_text("import sys; sys.exit(3)\n")
     monkeypatch.setenv("KERAS_BACKEND", "tensorflow")
-    args = ["bench", "--dir", str(tmp_path)] + (["--quick"] if quick else [])
+    args = ["bench", "--dir", str(folder)] + (["--quick"] if quick else [])
     assert cli.main(args) == 1
     out = capsys.readouterr().out
     for name in ("bench_a.py", "bench_b.py", "bench_c.py"):
@@ -396,10 +432,11 @@ def test_bench_quick_kills_a_script_that_hangs(tmp_path):
 
     from keras_perf.bench import run_in_one_process
 
-    (tmp_path / "bench_a.py").write_text(_GOOD_SCRIPT)
-    (tmp_path / "bench_b.py").write_text("import time; time.sleep(120)\n")  # prints nothing
-    (tmp_path / "bench_c.py").write_text(_GOOD_SCRIPT)
-    scripts = sorted(tmp_path.glob("bench_*.py"))
+    folder = _stub_package(tmp_path)
+    (folder / "bench_a.py").write_text(_GOOD_SCRIPT)
+    (folder / "bench_b.py").write_text("import time; time.sleep(120)\n")  # prints nothing
+    (folder / "bench_c.py").write_text(_GOOD_SCRIPT)
+    scripts = sorted(folder.glob("bench_*.py"))
     started, done = [], []
     t0 = time.perf_counter()
     results = run_in_one_process(scripts, "tensorflow", 5.0, started.append, done.append)
@@ -461,3 +498,19 @@ def test_benchmark_scripts_import_only_names_their_helpers_define():
                     if a.name not in defined[node.module]
                 ]
     assert len(defined) >= 3 and not missing, missing
+
+
+def test_benchmarks_are_a_package_that_never_edits_sys_path():
+    """Every benchmark runs as `python -m benchmarks.<name>`: helpers are imported from the
+    package, never found through a `sys.path` edit."""
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parent.parent / "benchmarks"
+    assert (folder / "__init__.py").is_file() and (folder / "gpu_check" / "__main__.py").is_file()
+    edits = [
+        f"{p.relative_to(folder)}:{n}"
+        for p in sorted(folder.rglob("*.py"))
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if "sys.path" in line
+    ]
+    assert not edits, edits

@@ -1,13 +1,13 @@
-"""benchmarks/gpu_check.py: the GPU check runs end to end on the CPU (`--dry-run`).
+"""benchmarks.gpu_check: the GPU check runs end to end on the CPU (`--dry-run`).
 
 No GPU is needed: the dry run takes the same code path with tiny models and an injected OOM.
 It runs in a child process in which TensorFlow, tf_keras, tfmot, scikit-learn and matplotlib
-cannot be imported (the GPU image has none of them), through a `sitecustomize` module that
-blocks them in the child and in every process it starts. The GPU kit is JAX/torch only: on
-the TensorFlow backend the end-to-end test is skipped.
+cannot be imported (a GPU machine need have none of them), nor the other of JAX and torch (the
+check runs the backend that is installed and says the other is not), through a
+`sitecustomize` module that blocks them in the child and in every process it starts. The GPU
+kit is JAX/torch only: on the TensorFlow backend the end-to-end test is skipped.
 """
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -19,15 +19,15 @@ from types import SimpleNamespace
 import keras
 import pytest
 
+from benchmarks import gpu_check
+from benchmarks.gpu_check import _orchestrate
+
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
+MODULE = ["-m", "benchmarks.gpu_check"]
 BACKEND = keras.backend.backend()
+OTHER = {"jax": "torch", "torch": "jax"}.get(BACKEND)
 BLOCKED = ["tensorflow", "tf_keras", "tensorflow_model_optimization", "sklearn", "matplotlib"]
 HEAVY = ("keras", "tensorflow", "jax", "torch")
-
-_spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-gpu_check = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(gpu_check)
 
 
 def _env(tmp_path, **extra):
@@ -50,15 +50,20 @@ def _env(tmp_path, **extra):
 
 @pytest.mark.slow
 @pytest.mark.backends("jax", "torch")
-def test_dry_run_gives_every_row_without_tensorflow(tmp_path):
+def test_dry_run_gives_every_row_without_tensorflow_nor_the_other_backend(tmp_path):
+    # Both backends asked for (`keras-perf bench --gpu`'s default), the other not installed:
+    # this one runs in full, the other is said to be missing, and the exit code is 0.
     out, md = tmp_path / "out.json", tmp_path / "table.md"
+    env = _env(tmp_path)
+    env["KP_TEST_BLOCK"] += "," + OTHER
     proc = subprocess.run(
         [
             sys.executable,
-            str(SCRIPT),
+            "-m",
+            "keras_perf",
+            "bench",
+            "--gpu",
             "--dry-run",
-            "--backends",
-            BACKEND,
             "--json",
             str(out),
             "--markdown",
@@ -67,11 +72,14 @@ def test_dry_run_gives_every_row_without_tensorflow(tmp_path):
         capture_output=True,
         text=True,
         timeout=600,
-        env=_env(tmp_path),
-        cwd=tmp_path,
+        env=env,
+        cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert f"gpu_check: {OTHER} is not installed, so it is not run" in proc.stdout
+    assert f"Not installed, not run: {OTHER}" in md.read_text()
     result = json.loads(out.read_text())
+    assert result["not_installed"] == [OTHER] and list(result["devices"]) == [BACKEND]
     rows = result["rows"]
     assert [r["id"] for r in rows] == gpu_check.expected_ids()
     assert len(rows) == 20
@@ -126,7 +134,7 @@ def test_dry_run_gives_every_row_without_tensorflow(tmp_path):
             assert r["ratio"] == pytest.approx(r["predicted"] / r["real"])
 
 
-@pytest.mark.parametrize("cmd", [[str(SCRIPT)], ["-m", "keras_perf", "bench", "--gpu"]])
+@pytest.mark.parametrize("cmd", [MODULE, ["-m", "keras_perf", "bench", "--gpu"]])
 def test_without_a_gpu_it_stops_at_once_and_says_why(tmp_path, cmd):
     proc = subprocess.run(
         [sys.executable, "-X", "importtime", *cmd],
@@ -165,7 +173,7 @@ def test_cli_builds_the_gpu_check_command():
 
     args = cli.build_parser().parse_args(["bench", "--gpu", "--dry-run", "--json", "o.json"])
     cmd = bench.gpu_command(args, ROOT / "benchmarks")
-    assert cmd[1:] == [str(SCRIPT), "--dry-run", "--backends", "jax,torch", "--json", "o.json"]
+    assert cmd[1:] == [*MODULE, "--dry-run", "--backends", "jax,torch", "--json", "o.json"]
 
 
 def test_script_refuses_tensorflow_and_unknown_sections():
@@ -203,6 +211,51 @@ def test_a_failing_section_is_reported_in_its_rows_and_the_next_runs(tmp_path, m
         ("3/find_max_microbatch", "RuntimeError: section 3 broke"),
     ]
     assert calls == [4]
+
+
+def _stub_backend(ran):
+    def run_backend(backend, dry, sections, timeout, on_part=None):
+        ran.append(backend)
+        rows = [
+            {"id": i, "section": int(i[0]), "backend": backend, "case": i, "error": None}
+            for i in gpu_check.expected_ids(sections)
+        ]
+        info = {"device": "CPU", "memory_limit_bytes": None, "versions": {}}
+        return {"info": info, "rows": rows, "imported_optional": [], "processes": 1, "seconds": 1}
+
+    return run_backend
+
+
+def test_a_backend_that_is_not_installed_is_not_run_and_said(tmp_path, monkeypatch, capsys):
+    ran = []
+    monkeypatch.setattr(_orchestrate, "run_backend", _stub_backend(ran))
+    monkeypatch.setattr(_orchestrate, "backend_installed", lambda b: b == "jax")
+    out = tmp_path / "o.json"
+    argv = ["--dry-run", "--backends", "jax,torch", "--sections", "3", "--json", str(out)]
+    assert gpu_check.main(argv) == 0  # no error row for the missing backend
+    stdout = capsys.readouterr().out
+    assert ran == ["jax"]
+    assert "gpu_check: torch is not installed, so it is not run (pip install torch" in stdout
+    assert "Not installed, not run: torch" in stdout
+    result = json.loads(out.read_text())
+    assert result["not_installed"] == ["torch"]
+    assert {r["backend"] for r in result["rows"]} == {"jax"} and len(result["rows"]) == 2
+    # A merged table of a JAX-only and a torch-only run has both: nothing is "not installed".
+    torch_part = dict(result, devices={"torch": result["devices"]["jax"]}, not_installed=["jax"])
+    (tmp_path / "t.json").write_text(json.dumps(torch_part))
+    assert gpu_check.main(["--merge", str(out), str(tmp_path / "t.json")]) == 0
+    assert "Not installed" not in capsys.readouterr().out
+    # Neither installed: nothing runs, one line says why, exit code 2.
+    monkeypatch.setattr(_orchestrate, "backend_installed", lambda b: False)
+    assert gpu_check.main(argv) == 2
+    captured = capsys.readouterr()
+    assert ran == ["jax"]
+    assert captured.err == "gpu_check: nothing to run: jax and torch are not installed\n"
+
+
+def test_backend_installed_finds_without_importing():
+    assert _orchestrate.backend_installed(BACKEND)
+    assert not _orchestrate.backend_installed("no_such_framework")
 
 
 def test_ratios_and_table():

@@ -113,7 +113,7 @@ def test_microbatches_changeable_between_fits():
 
 
 # What micro-batching is for: a step at microbatches=4 holds about a quarter of the activations.
-# benchmarks/_memory.py reads byte counts (not timings) from each backend: TensorFlow's CPU
+# benchmarks._memory reads byte counts (not timings) from each backend: TensorFlow's CPU
 # allocator peak, XLA's temp buffers, or the tensors autograd saves for backward. TensorFlow's
 # peak follows its executor's op order: with its default inter-op threads that order follows
 # the machine's load (the project's CI measured 2.64 so, against a floor of 2.8), so the
@@ -124,11 +124,12 @@ _ACTIVATION_RATIO_FLOOR = {"tensorflow": 3.0, "jax": 3.0, "torch": 4.0}
 
 
 def test_microbatches_cut_activation_memory():
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "_memory.py"
     run = subprocess.run(
-        [sys.executable, str(script), "--batches", "1024", "8192", "--tf-inter-op-threads", "1"],
+        [sys.executable, "-m", "benchmarks._memory", "--batches", "1024", "8192"]
+        + ["--tf-inter-op-threads", "1"],
         capture_output=True,
         text=True,
+        cwd=Path(__file__).resolve().parents[1],
     )
     assert run.returncode == 0, run.stderr[-3000:]
     res = json.loads(run.stdout.strip().splitlines()[-1])

@@ -1,0 +1,109 @@
+"""What the GPU check runs: backends, sections, sizes (GPU and dry run), and the row ids."""
+
+from __future__ import annotations
+
+BACKENDS = ("jax", "torch")
+SECTIONS = (1, 2, 3, 4, 5)
+POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
+MICROBATCHES = (1, 2, 4, 8)
+MODELS = ("mlp", "convnet")
+DIAGNOSE_CASES = ("input", "host", "compute", "resnet50")
+# Never needed here: a worker reports any of these it finds imported.
+OPTIONAL = ("tensorflow", "tf_keras", "tensorflow_model_optimization", "sklearn", "matplotlib")
+RESNET50_MACS = 4.1e9  # forward multiply-adds at 224 x 224 (He et al. 2016, table 1: 3.8-4.1 G)
+DRY_PEAK_FLOPS = 1e12  # nominal peak for the dry run, so that the MFU path runs on a CPU
+WEIGHT_TOLERANCE = 1e-5
+
+SIZES = {
+    "gpu": {
+        "mlp": {"inputs": 1024, "width": 8192, "depth": 4, "classes": 1000, "batch": 2048},
+        "convnet": {"image": 224, "classes": 1000, "batch": 128},
+        "steps": 30,  # per epoch; epoch 1 compiles, epoch 2 is measured
+        "memory": {"probe_batch": 16, "fill": 0.8, "max_batch": 2048, "steps": 3},
+        "oom": {"inputs": 64, "width": 32768, "over": 1.25, "steps": 2},
+        "distill": {
+            "inputs": 1024,
+            "student": (2048, 2048),
+            "teacher": (8192, 8192),
+            "batch": 1024,
+        },
+        "prune": {"inputs": 1024, "widths": (4096, 4096), "batch": 1024, "frequency": 10},
+        "child_groups": [[1], [2], [4], [8]],  # JAX: one process per micro-batch setting
+        "diagnose": {
+            "steps": 30,
+            "max_seconds": 30,
+            "resnet_max_seconds": 60,  # XLA's retraces of ResNet50 come out of the budget
+            "sleep": 0.02,
+            "batches": 60,
+            "wide": (512, (2048, 2048)),
+            "compute_rows": 8192,
+            "resnet_batch": 64,
+            "resnet_batches": 20,
+            "pool": 64,
+            "repeats": 3,
+            "epochs": 3,
+        },
+    },
+    "dry": {
+        "mlp": {"inputs": 32, "width": 64, "depth": 2, "classes": 10, "batch": 32},
+        "convnet": {"image": 32, "classes": 10, "batch": 16},
+        "steps": 3,
+        "memory": {"probe_batch": 4, "fill": 0.8, "max_batch": 8, "steps": 2, "batch": 8},
+        "oom": {"inputs": 8, "width": 16, "batch": 32, "threshold": 8, "steps": 2},
+        "distill": {"inputs": 16, "student": (16,), "teacher": (32, 32), "batch": 32},
+        "prune": {"inputs": 16, "widths": (32, 32), "batch": 32, "frequency": 2},
+        # Two processes, not four: the child path runs, in seconds (no device peak on a CPU).
+        "child_groups": [[1], [2, 4, 8]],
+        "diagnose": {
+            "steps": 6,
+            "max_seconds": 3,
+            "resnet_max_seconds": 3,
+            "sleep": 0.005,
+            "batches": 12,
+            "wide": (64, (128, 128)),
+            "compute_rows": 2048,
+            "resnet_batch": 8,
+            "resnet_batches": 6,
+            "pool": 16,
+            "repeats": 1,
+            "epochs": 1,
+        },
+    },
+}
+
+
+def expected_ids(sections=SECTIONS, microbatches=MICROBATCHES) -> list[str]:
+    """The row ids a run of `sections` produces, in table order (no Keras needed)."""
+    ids = []
+    for s in sections:
+        if s == 1:
+            ids += [f"1/{m}/{p}" for m in MODELS for p in POLICIES]
+        elif s == 2:
+            ids += [f"2/microbatches={k}" for k in microbatches]
+        elif s == 3:
+            ids += ["3/oom_retry", "3/find_max_microbatch"]
+        elif s == 4:
+            ids += [
+                "4/distillation/plain_student",
+                "4/distillation/DistillationModel",
+                "4/pruning/plain",
+                "4/pruning/PruningCallback",
+            ]
+        elif s == 5:
+            ids += [f"5/{case}" for case in DIAGNOSE_CASES]
+    return ids
+
+
+# What each row is compared with: (baseline id, figure). Ratios are computed once all rows
+# are in, because on JAX a row and its baseline can come from different processes.
+def _baseline(row_id: str) -> tuple[str, str] | None:
+    parts = row_id.split("/")
+    if parts[0] == "1" and parts[2] != "float32":
+        return f"1/{parts[1]}/float32", "examples_per_s"
+    if parts[0] == "2" and parts[1] != "microbatches=1":
+        return "2/microbatches=1", "step_ms"
+    if row_id == "4/distillation/DistillationModel":
+        return "4/distillation/plain_student", "step_ms"
+    if row_id == "4/pruning/PruningCallback":
+        return "4/pruning/plain", "step_ms"
+    return None

@@ -34,9 +34,9 @@ import re
 import keras
 import numpy as np
 
+from keras_perf import _keras_internals as keras_internals
 from keras_perf._state import CallbackStateStore, check_backup_dir, read_backup_epoch
 from keras_perf._utils import check_bool, check_choice, check_int, warn
-from keras_perf.backend import keras_internals
 
 __all__ = ["MonitoringCallback"]
 

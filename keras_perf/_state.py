@@ -34,8 +34,8 @@ import os
 
 import numpy as np
 
+from keras_perf import _keras_internals as keras_internals
 from keras_perf._utils import warn
-from keras_perf.backend import keras_internals
 
 # Written by `keras.callbacks.BackupAndRestore` in its `backup_dir` (checked with Keras
 # 3.8-3.15): `{"epoch": <epoch the fit resumes at>, "batch": ...}`.

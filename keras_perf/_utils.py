@@ -2,6 +2,9 @@
 
 Every public piece validates its arguments with these helpers so that errors read the same
 everywhere: they name the argument, show the value received and say what is accepted.
+
+Backend-neutral, on the ground floor of the package: it imports Keras and
+`keras_perf._keras_internals` only, never `keras_perf.backend` (tests/test_imports.py checks).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from collections.abc import Iterator
 
 import keras
 
-from keras_perf.backend import keras_internals
+from keras_perf import _keras_internals as keras_internals
 
 _LOCAL = threading.local()
 

@@ -13,10 +13,10 @@ import time
 
 import keras
 
+from keras_perf import _keras_internals as keras_internals
 from keras_perf import backend as _backend
 from keras_perf._monitoring_callback import MonitoringCallback
 from keras_perf._utils import check_choice, check_number, warn
-from keras_perf.backend import keras_internals
 
 __all__ = ["TimeLimit"]
 

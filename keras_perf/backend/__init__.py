@@ -1,8 +1,11 @@
 """One neutral interface over the backend Keras runs on.
 
-The implementation module (`tensorflow`, `jax` or `torch` beside this file) is chosen once, at
-import, from `keras.backend.backend()`. These modules are the only place in keras-perf allowed
-to import a backend framework at module level or to touch private Keras internals.
+This `__init__` is the dispatch only: the implementation module (`tensorflow`, `jax` or
+`torch` beside this file) is chosen once, at import, from `keras.backend.backend()`, and its
+interface is exposed here. Those modules, `tflite.py` (TensorFlow Lite, on any backend) and the
+train step's backend modules (`keras_perf/train_step/<backend>.py`) are the only places in
+keras-perf that import a backend framework at module level; private Keras attributes are read
+in `keras_perf/_keras_internals.py` alone.
 
 Interface (every implementation module provides these names):
 
@@ -26,35 +29,80 @@ Interface (every implementation module provides these names):
   only): `keras.quantizers.fake_quant_with_min_max_vars` in fused ops, where Keras' own path
   is slow; elsewhere the name is None and callers use Keras'. With it, ``fake_quant_kernel``
   and ``moving_average_fake_quant``: the QAT kernel and activation quantizers in torch ops.
-- ``model_scope(model)`` (optional; TensorFlow only): the scope of the tf.distribute strategy
-  `model` was created under, in which a model sharing its layers must be created.
+- ``model_scope(model)``, ``is_multi_worker(model)`` and ``any_worker(flag, model)`` (optional;
+  TensorFlow only): the scope of the tf.distribute strategy `model` was created under, in which
+  a model sharing its layers must be created; whether that strategy spans several workers;
+  `flag` OR-ed over them.
 
-Beside each, ``train_step_<backend>.py`` holds that backend's ``TrainStep`` (a subclass of
-``keras_perf._train_step_base.TrainStepBase``), which ``keras_perf/train_step.py`` picks once
-at import; ``keras_internals.py`` is the one module that touches private Keras attributes.
+Every optional name is defined here on every backend, with a neutral default where the
+implementation has none (`any_worker` returns `flag`, `is_multi_worker` False, `model_scope`
+a null context, `carry_in_step_state` True, the fake-quant names None). The dispatch adds
+only what is built on the interface alone: ``is_oom(exc)`` (``is_oom_error`` over the
+exception's causes), ``clear_memory()`` (garbage collection first), ``has_accelerator()``,
+and the constants ``BACKEND`` and ``STEP_READS_EXTERNAL_VARIABLES``.
+
+Re-exported from backend-neutral modules below this package, so that callers reach them here
+too: ``host_memory()`` and ``reset_host_peak_memory()`` (`keras_perf._host_memory`),
+``examples_seen(model)`` and ``is_functional(model)`` (`keras_perf._keras_internals`, the one
+module that reads private Keras attributes).
+
+Layering: this package sits above the neutral ground floor (`keras_perf._utils`,
+`keras_perf._keras_internals`, `keras_perf._host_memory`, `keras_perf._imports`) and below
+the train step (`keras_perf/train_step/`, whose backend modules may import the
+implementation module of their backend); it never imports `keras_perf.train_step` or a
+feature package (tests/test_imports.py checks that).
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
-import importlib
-import os
-import resource
-import sys
 
 import keras
 
-from keras_perf.backend import keras_internals
+from keras_perf._host_memory import host_memory, reset_host_peak_memory
+from keras_perf._keras_internals import examples_seen, is_functional
 
 BACKEND: str = keras.backend.backend()
 
-_MODULES = {"tensorflow": "tensorflow", "jax": "jax", "torch": "torch"}
-if BACKEND not in _MODULES:
+# The implementation module, chosen once (as keras/src/backend/__init__.py picks its backend).
+if BACKEND == "tensorflow":
+    from keras_perf.backend import tensorflow as _impl
+elif BACKEND == "jax":
+    from keras_perf.backend import jax as _impl
+elif BACKEND == "torch":
+    from keras_perf.backend import torch as _impl
+else:
     raise ImportError(
-        f"keras-perf supports the Keras backends {sorted(_MODULES)}; KERAS_BACKEND is {BACKEND!r}."
+        "keras-perf supports the Keras backends ['jax', 'tensorflow', 'torch']; KERAS_BACKEND "
+        f"is {BACKEND!r}."
     )
-_impl = importlib.import_module(f"{__name__}.{_MODULES[BACKEND]}")
+
+__all__ = [
+    "BACKEND",
+    "STEP_READS_EXTERNAL_VARIABLES",
+    "any_worker",
+    "carry_in_step_state",
+    "clear_memory",
+    "configure_devices",
+    "examples_seen",
+    "fake_quant",
+    "fake_quant_kernel",
+    "has_accelerator",
+    "host_memory",
+    "is_functional",
+    "is_multi_worker",
+    "is_oom",
+    "is_oom_error",
+    "list_devices",
+    "memory_stats",
+    "model_scope",
+    "moving_average_fake_quant",
+    "oom_error",
+    "release_step_state",
+    "reset_host_peak_memory",
+    "reset_peak_memory",
+]
 
 is_oom_error = _impl.is_oom_error
 oom_error = _impl.oom_error
@@ -113,77 +161,9 @@ def is_oom(exc: BaseException) -> bool:
     return False
 
 
-def host_memory() -> dict:
-    """Resident memory of this process: ``{"current_bytes", "peak_bytes"}``.
-
-    The peak is since the process started, or since the last `reset_host_peak_memory()`.
-    """
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    peak = peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB.
-    current = None
-    try:
-        with open("/proc/self/statm") as f:
-            current = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        pass
-    return {"current_bytes": current, "peak_bytes": int(peak)}
-
-
-def reset_host_peak_memory() -> bool:
-    """Reset this process's peak resident memory (Linux); False where unsupported.
-
-    Writes ``5`` to ``/proc/self/clear_refs`` (Linux >= 4.0), which resets the kernel's
-    high-water mark that ``getrusage`` and ``VmHWM`` report. It is process-wide: any later
-    `host_memory()` peak counts from this moment.
-    """
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        return False
-    return True
-
-
-def examples_seen(model) -> int | None:
-    """Examples Keras' built-in loss tracker has counted since the model's metrics were reset.
-
-    Keras' own `train_step`/`test_step` (every backend) update `model._loss_tracker`, a
-    `keras.metrics.Mean`, with `sample_weight` = the leading dimension of the batch's first
-    input, so its `count` is the number of examples seen this epoch, a short last batch and
-    `steps_per_execution > 1` included. `fit` resets it at each epoch start and `evaluate`
-    resets it at its start (after `on_test_begin`). Private attribute, present since Keras 3.0,
-    checked with Keras 3.15. Reading it syncs the device: call it per epoch, never per batch.
-
-    Returns:
-        The count as an int, or None when the model has no such tracker or it counted nothing
-        (a custom `train_step` that does not update it).
-    """
-    tracker = keras_internals.loss_tracker(model)
-    count = getattr(tracker, "count", None)
-    if count is None:
-        return None
-    # float() of the 0-d backend tensor: on TF, convert_to_numpy of a variable warns under NumPy 2.
-    raw = getattr(count, "value", count)
-    if hasattr(raw, "read_value"):
-        # tf.distribute: a sync-on-read variable; reading it outside the replicas sums them.
-        raw = raw.read_value()
-    value = float(raw)
-    return int(round(value)) if value > 0 else None
-
-
 def has_accelerator() -> bool:
     """Whether the backend sees a GPU or TPU."""
     return any(d["kind"] in ("GPU", "TPU") for d in list_devices())
-
-
-def is_functional(model) -> bool:
-    """Whether `model` is a Functional model (Sequential models with an input count too)."""
-    # Private import: Keras exports no public Functional class (checked on Keras 3.8-3.15).
-    from keras.src.models.functional import Functional
-
-    return isinstance(model, Functional) or (
-        isinstance(model, keras.Sequential) and bool(getattr(model, "inputs", None))
-    )
 
 
 #: Whether a compiled train step reads a variable that is not part of the model's or the

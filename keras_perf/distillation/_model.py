@@ -15,8 +15,8 @@ from collections.abc import Sequence
 import keras
 from keras import ops
 
+from keras_perf import _keras_internals as keras_internals
 from keras_perf._utils import check_bool, check_number, in_training_step
-from keras_perf.backend import keras_internals
 from keras_perf.distillation._checks import (
     _check_one_tensor,
     _check_single_output,

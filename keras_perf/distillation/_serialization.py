@@ -4,7 +4,7 @@ The student and the teachers are serialised without their own compile config
 (`_serialize_model`) and rebuilt on load (`_deserialize_model`); `_DistillationConfig` holds
 `DistillationModel`'s `get_config`, `from_config` and `get_compile_config` (a mixin: the
 attributes it reads are the model's). Not here: the train step's own config
-(`keras_perf._train_step_base`), the registration (`_model`, on the class).
+(`keras_perf.train_step._base`), the registration (`_model`, on the class).
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import keras
 
+from keras_perf import _keras_internals as keras_internals
 from keras_perf import backend as _backend
-from keras_perf.backend import keras_internals
 
 
 # The accumulation route below reads three private attributes of Keras optimizers, through

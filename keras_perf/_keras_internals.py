@@ -2,15 +2,29 @@
 
 Keras has no public API for these; every other module calls the functions here, so a Keras
 change breaks one small module (and the tests on every backend), not the whole package.
-Each function names the private attribute it touches and why it is needed.
+Each function names the private attribute it touches and why it is needed; the private
+`keras.src` imports are here too, each with the Keras versions it was checked on.
+
+Backend-neutral and on the ground floor of the package: it imports Keras only, never
+`keras_perf.backend` or anything above it (tests/test_imports.py checks that).
 """
 
 from __future__ import annotations
 
 import contextlib
 
+import keras
+
+# Keras builds layers symbolically with this (no graph ops, no metric updates); checked on
+# Keras 3.8-3.15.
+from keras.src.backend import compute_output_spec
+
 # Keras keeps masks beside tensors; this is its reader (no public equivalent).
 from keras.src.backend.common.masking import get_keras_mask
+
+# Keras divides the loss by the replica count under tf.distribute and tracks the undivided
+# value (its helpers for both, used by its TensorFlow trainer); checked on Keras 3.8-3.15.
+from keras.src.losses.loss import scale_loss_for_distribution, unscale_loss_for_distribution
 
 __all__ = [
     "accumulated_gradients",
@@ -18,17 +32,22 @@ __all__ = [
     "aggregate_additional_loss",
     "callback_model",
     "compiled_loss",
+    "compute_output_spec",
     "direct_sublayers",
+    "examples_seen",
     "get_keras_mask",
     "input_structure",
+    "is_functional",
     "loss_terms_replaced",
     "loss_tracker",
     "metric_direction",
     "optimizer_iterations",
     "output_structure",
     "learning_rate_source",
+    "scale_loss_for_distribution",
     "set_learning_rate_source",
     "set_initial_epoch",
+    "unscale_loss_for_distribution",
 ]
 
 
@@ -47,6 +66,42 @@ def aggregate_additional_loss(model, loss):
     """One `model.losses` entry as Keras' `compute_loss` adds it (`_aggregate_additional_loss`:
     cast and, under tf.distribute, divided by the replica count)."""
     return model._aggregate_additional_loss(loss)
+
+
+def examples_seen(model) -> int | None:
+    """Examples Keras' built-in loss tracker has counted since the model's metrics were reset.
+
+    Keras' own `train_step`/`test_step` (every backend) update `model._loss_tracker`, a
+    `keras.metrics.Mean`, with `sample_weight` = the leading dimension of the batch's first
+    input, so its `count` is the number of examples seen this epoch, a short last batch and
+    `steps_per_execution > 1` included. `fit` resets it at each epoch start and `evaluate`
+    resets it at its start (after `on_test_begin`). Private attribute, present since Keras 3.0,
+    checked with Keras 3.15. Reading it syncs the device: call it per epoch, never per batch.
+
+    Returns:
+        The count as an int, or None when the model has no such tracker or it counted nothing
+        (a custom `train_step` that does not update it).
+    """
+    count = getattr(loss_tracker(model), "count", None)
+    if count is None:
+        return None
+    # float() of the 0-d backend tensor: on TF, convert_to_numpy of a variable warns under NumPy 2.
+    raw = getattr(count, "value", count)
+    if hasattr(raw, "read_value"):
+        # tf.distribute: a sync-on-read variable; reading it outside the replicas sums them.
+        raw = raw.read_value()
+    value = float(raw)
+    return int(round(value)) if value > 0 else None
+
+
+def is_functional(model) -> bool:
+    """Whether `model` is a Functional model (Sequential models with an input count too)."""
+    # Private import: Keras exports no public Functional class (checked on Keras 3.8-3.15).
+    from keras.src.models.functional import Functional
+
+    return isinstance(model, Functional) or (
+        isinstance(model, keras.Sequential) and bool(getattr(model, "inputs", None))
+    )
 
 
 def input_structure(model, default=None):

@@ -1,5 +1,5 @@
 """JAX train step of `kp.LossScaleTrainStep` (hook contract: `TrainStepBase` in
-keras_perf/_train_step_base.py).
+keras_perf/train_step/_base.py).
 
 Stateless, like Keras' own: `train_step(state, data) -> (logs, state)`. Shapes are static in
 JAX, so the slicing is decided in Python: equal slices run under `jax.lax.scan` (one slice's
@@ -23,12 +23,8 @@ import jax
 import keras
 from keras import ops
 
-# Private import: Keras' scope for running stateful Keras code on explicit state values (what
-# Keras' own JAX trainer uses); checked on Keras 3.8-3.15.
-from keras.src.backend import StatelessScope
-
-from keras_perf._train_step_base import TrainStepBase
 from keras_perf._utils import first_tensor, map_batch, metric_results_deferred, training_step
+from keras_perf.train_step._base import TrainStepBase
 
 
 def _index(variables, target):
@@ -63,7 +59,9 @@ class TrainStep(TrainStepBase):
                 (_, aux), grads = grad_fn(*args, training=True, optimizer_variables=optimizer_vars)
         unscaled_loss, y_pred, non_trainable, metrics_vars = aux
         mapping = list(zip(self.metrics_variables, metrics_vars))
-        with StatelessScope(state_mapping=mapping) as scope, metric_results_deferred():
+        # Keras' scope for running stateful Keras code on explicit state values (what Keras'
+        # own JAX trainer uses; public as keras.StatelessScope since Keras 3.0).
+        with keras.StatelessScope(state_mapping=mapping) as scope, metric_results_deferred():
             # Keras' _update_metrics_variables, with the slice's loss tracked so that the
             # slices add up to the whole batch's entry; results read once, at the end.
             self._kp_track_loss(unscaled_loss, ctx, first_tensor(x).shape[0])
@@ -130,7 +128,7 @@ class TrainStep(TrainStepBase):
             )
 
         mapping = list(zip(self.metrics_variables, metrics_vars))
-        with StatelessScope(state_mapping=mapping) as scope:
+        with keras.StatelessScope(state_mapping=mapping) as scope:
             self._kp_update_step_metrics(norm, finite)
             logs = self.get_metrics_result()
         metrics_vars = [

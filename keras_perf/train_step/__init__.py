@@ -1,28 +1,44 @@
 """The loss-scaling, micro-batching train step: mixin `LossScaleTrainStep` and `loss_scaled`.
 
-Layered as Keras layers `keras.Model` over its trainers: the backend-neutral mechanics
-(settings, slicing, exact per-slice loss, gradient processing, step metrics) live in
-`keras_perf/_train_step_base.py` (`TrainStepBase`, whose docstring is the hook contract); one
-small class per backend (`keras_perf/backend/train_step_*.py`) subclasses it with that
-backend's `train_step`, and `LossScaleTrainStep` subclasses the one chosen once, at import,
-for the current backend. The loss always comes from the model's `compute_loss`, so a
-subclass changes the loss, never the mechanics.
+Layered as Keras layers `keras.Model` over its trainers (`keras/src/trainers/trainer.py`
+below `keras/src/backend/<backend>/trainer.py`, picked once by `keras/src/models/model.py`):
+
+- `_base.py`: `TrainStepBase`, the backend-neutral mechanics (settings, slicing, exact
+  per-slice loss, gradient processing, step metrics); its docstring is the hook contract. It
+  imports `keras.ops`, `keras_perf._utils` and `keras_perf._keras_internals` only, never
+  `keras_perf.backend`.
+- `tensorflow.py`, `jax.py`, `torch.py`: one small `TrainStep(TrainStepBase)` per backend
+  with that backend's `train_step`. They are the train step's backend modules, as Keras'
+  backend trainers are: the framework calls they need (`tf.while_loop`, `jax.lax.scan`,
+  torch's `backward`, the tf.distribute all-reduce) stay in them, not behind
+  `keras_perf.backend`; from that package they use only their own backend's implementation
+  module (`keras_perf.backend.tensorflow.is_multi_worker`).
+- This `__init__`: the public API. `LossScaleTrainStep` subclasses the `TrainStep` of the
+  backend Keras runs on, chosen once at import; `LossScaledModel` and `loss_scaled` build on
+  it.
+
+Nothing below this package imports it (`keras_perf.backend` included; tests/test_imports.py
+checks the layering). The loss always comes from the model's `compute_loss`, so a subclass
+changes the loss, never the mechanics.
 """
 
 from __future__ import annotations
 
-import importlib
-
 import keras
 
+from keras_perf import _keras_internals as keras_internals
 from keras_perf import backend as _backend
-from keras_perf._train_step_base import check_clipnorm, check_microbatches
-from keras_perf.backend import keras_internals
-
-__all__ = ["LossScaleTrainStep", "LossScaledModel", "loss_scaled"]
+from keras_perf.train_step._base import check_clipnorm, check_microbatches
 
 # The backend's train step, chosen once (as keras/src/models/model.py picks its Trainer).
-TrainStep = importlib.import_module(f"keras_perf.backend.train_step_{_backend.BACKEND}").TrainStep
+if _backend.BACKEND == "tensorflow":
+    from keras_perf.train_step.tensorflow import TrainStep
+elif _backend.BACKEND == "jax":
+    from keras_perf.train_step.jax import TrainStep
+else:  # torch: keras_perf.backend refuses any other backend at import
+    from keras_perf.train_step.torch import TrainStep
+
+__all__ = ["LossScaleTrainStep", "LossScaledModel", "loss_scaled"]
 
 
 class LossScaleTrainStep(TrainStep):
@@ -162,7 +178,7 @@ def loss_scaled(
     microbatches = 1 if microbatches is None else microbatches
     clipnorm = None if isinstance(clipnorm, str) and clipnorm == _KEEP else clipnorm
     settings = dict(microbatches=microbatches, clipnorm=clipnorm)
-    if not isinstance(model, keras.Sequential) and not _backend.is_functional(model):
+    if not isinstance(model, keras.Sequential) and not keras_internals.is_functional(model):
         raise TypeError(
             f"kp.loss_scaled() takes Sequential and Functional models; {type(model).__name__} is "
             "a subclassed model. Add the train step by subclassing the mixin instead: "
@@ -177,7 +193,7 @@ def loss_scaled(
             f"Model '{model.name}' has no inputs yet: give the Sequential model an input shape "
             "(`keras.Input(shape)` as first layer) or call it on data before kp.loss_scaled()."
         )
-    if _backend.is_functional(model):
+    if keras_internals.is_functional(model):
         # The nested structures (dict, list, nesting), not the flat lists: a dict-output
         # model keeps its output names, so its dict losses, loss_weights and data still fit.
         inputs = keras_internals.input_structure(model, inputs)

@@ -1,5 +1,5 @@
 """TensorFlow train step of `kp.LossScaleTrainStep` (hook contract: `TrainStepBase` in
-keras_perf/_train_step_base.py).
+keras_perf/train_step/_base.py).
 
 Micro-batching runs as a `tf.while_loop` inside the compiled step: batch sizes are dynamic in
 TensorFlow graphs, and the loop keeps one slice's activations alive at a time. The first slice
@@ -15,16 +15,10 @@ import keras
 import tensorflow as tf
 from keras import ops
 
-# Private imports: Keras divides the loss by the replica count under tf.distribute and tracks
-# the undivided value (its helpers for both), and builds layers symbolically with
-# compute_output_spec; checked on Keras 3.8-3.15.
-from keras.src.backend import compute_output_spec
-from keras.src.losses.loss import scale_loss_for_distribution, unscale_loss_for_distribution
-
-from keras_perf._train_step_base import TrainStepBase
+from keras_perf import _keras_internals as keras_internals
 from keras_perf._utils import first_tensor, map_batch, metric_results_deferred, training_step
-from keras_perf.backend import keras_internals
 from keras_perf.backend.tensorflow import is_multi_worker
+from keras_perf.train_step._base import TrainStepBase
 
 
 def _all_reduce(grads):
@@ -86,7 +80,7 @@ def _coalesce(grads):
 class TrainStep(TrainStepBase):
     """TensorFlow `train_step(data)`; the base of `kp.LossScaleTrainStep` on TensorFlow."""
 
-    _kp_scale_for_distribution = staticmethod(scale_loss_for_distribution)
+    _kp_scale_for_distribution = staticmethod(keras_internals.scale_loss_for_distribution)
 
     @staticmethod
     def _kp_sum_of_squares(tensors):
@@ -125,7 +119,9 @@ class TrainStep(TrainStepBase):
         def spec(t):
             return keras.KerasTensor(t.shape, keras.backend.standardize_dtype(t.dtype))
 
-        compute_output_spec(compile_loss, *map_batch(spec, (y, y_pred, sample_weight)))
+        keras_internals.compute_output_spec(
+            compile_loss, *map_batch(spec, (y, y_pred, sample_weight))
+        )
 
     def _kp_slice_loss(self, x, y, sample_weight, ctx):
         """Forward one slice; returns (scaled loss, y_pred) and updates the loss tracker.
@@ -137,7 +133,8 @@ class TrainStep(TrainStepBase):
         loss = self._compute_loss(
             x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
         )
-        self._kp_track_loss(unscale_loss_for_distribution(loss), ctx, tf.shape(first_tensor(x))[0])
+        unscaled = keras_internals.unscale_loss_for_distribution(loss)
+        self._kp_track_loss(unscaled, ctx, tf.shape(first_tensor(x))[0])
         scaled = self.optimizer.scale_loss(loss) if self.optimizer is not None else loss
         return scaled, y_pred
 

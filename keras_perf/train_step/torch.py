@@ -1,5 +1,5 @@
 """PyTorch train step of `kp.LossScaleTrainStep` (hook contract: `TrainStepBase` in
-keras_perf/_train_step_base.py).
+keras_perf/train_step/_base.py).
 
 PyTorch runs eagerly, so slices are a Python loop and `backward()` accumulates each slice's
 gradient into `.grad`, as gradient accumulation is written by hand in PyTorch.
@@ -13,8 +13,8 @@ import warnings
 import keras
 import torch
 
-from keras_perf._train_step_base import TrainStepBase
 from keras_perf._utils import first_tensor, map_batch, metric_results_deferred, training_step
+from keras_perf.train_step._base import TrainStepBase
 
 
 class TrainStep(TrainStepBase):

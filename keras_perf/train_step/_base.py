@@ -2,9 +2,10 @@
 
 Layered as Keras layers its trainers (`keras/src/trainers/trainer.py` below
 `keras/src/backend/<backend>/trainer.py`): this shared base sits below one small class per
-backend (`keras_perf/backend/train_step_<backend>.py`), and `kp.LossScaleTrainStep`
-(keras_perf/train_step.py) subclasses the one chosen at import. The hook contract is the
-docstring of `TrainStepBase`.
+backend (`keras_perf/train_step/<backend>.py`), and `kp.LossScaleTrainStep`
+(`keras_perf/train_step/__init__.py`) subclasses the one chosen at import. The hook contract
+is the docstring of `TrainStepBase`. Backend-neutral: it imports `keras.ops`,
+`keras_perf._utils` and `keras_perf._keras_internals`, never `keras_perf.backend`.
 
 Loss-scale state is Keras' own: under `mixed_float16` the optimizer is a
 `keras.optimizers.LossScaleOptimizer` (we wrap a plain optimizer at `compile` time), whose
@@ -24,6 +25,7 @@ import weakref
 import keras
 from keras import ops
 
+from keras_perf import _keras_internals as keras_internals
 from keras_perf._utils import (
     all_finite,
     check_int,
@@ -34,7 +36,6 @@ from keras_perf._utils import (
     sum_of_squares,
     update_step_metrics,
 )
-from keras_perf.backend import keras_internals
 
 _STEP_METRICS = ("grad_norm", "skipped_steps")
 _REDUCTIONS = ("sum", "sum_over_batch_size", "mean", "mean_with_sample_weight")
@@ -195,7 +196,7 @@ class TrainStepBase:
 
     Hook contract (the one place it is written down):
 
-    - A backend class (`keras_perf/backend/train_step_<backend>.py`) subclasses this one and
+    - A backend class (`keras_perf/train_step/<backend>.py`) subclasses this one and
       implements `train_step` with the signature Keras' trainer of that backend calls. It
       forwards each slice through `_compute_loss`/`compute_metrics`, tracks the slice's loss
       with `_kp_track_loss`, and hands the accumulated, still scaled gradients to
@@ -253,7 +254,7 @@ class TrainStepBase:
         pass  # Keras builds the compiled loss symbolically before the first step
 
     def train_step(self, *args):
-        raise NotImplementedError("implemented by keras_perf/backend/train_step_<backend>.py")
+        raise NotImplementedError("implemented by keras_perf/train_step/<backend>.py")
 
     def __init__(
         self,

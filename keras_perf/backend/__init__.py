@@ -28,6 +28,13 @@ Interface (every implementation module provides these names):
   and ``moving_average_fake_quant``: the QAT kernel and activation quantizers in torch ops.
 - ``model_scope(model)`` (optional; TensorFlow only): the scope of the tf.distribute strategy
   `model` was created under, in which a model sharing its layers must be created.
+- ``global_rng_state() -> object | None`` and ``set_global_rng_state(state)`` (optional;
+  torch only): the framework's global RNG state, which `fit` and `clone_model` draw from;
+  elsewhere None and a no-op.
+- ``tf_data_has_stage(dataset, name) -> bool`` and ``tf_data_tuned(dataset, cache=False,
+  parallel_map=False)``: tf.data pipelines, on every backend (tf.data runs beside any Keras
+  backend with TensorFlow installed), so they always come from the ``tensorflow`` module,
+  imported at their first call.
 
 Beside each, ``train_step_<backend>.py`` holds that backend's ``TrainStep`` (a subclass of
 ``keras_perf._train_step_base.TrainStepBase``), which ``keras_perf/train_step.py`` picks once
@@ -190,3 +197,31 @@ def is_functional(model) -> bool:
 #: optimizer's state when it runs (TensorFlow graphs, eager torch), or bakes its value in when
 #: traced (a jitted JAX step receives only that state; see `carry_in_step_state`).
 STEP_READS_EXTERNAL_VARIABLES: bool = BACKEND != "jax"
+
+
+# The framework's own global RNG (torch's), which `fit` and `clone_model` draw from beside
+# Python's and NumPy's; TensorFlow and JAX: None (Keras draws their randomness from its own
+# seed generators).
+global_rng_state = getattr(_impl, "global_rng_state", lambda: None)
+set_global_rng_state = getattr(_impl, "set_global_rng_state", lambda state: None)
+
+
+def _tf_data(name):
+    """A tf.data function of the TensorFlow module, imported at the first call.
+
+    tf.data is TensorFlow the library, not the Keras backend: a `tf.data.Dataset` feeds `fit`
+    on every backend (TensorFlow installed), so these do not dispatch on `BACKEND`.
+    """
+
+    def call(*args, **kwargs):
+        from keras_perf.backend import tensorflow
+
+        return getattr(tensorflow, name)(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = f"`keras_perf.backend.tensorflow.{name}`, on any backend."
+    return call
+
+
+tf_data_has_stage = _tf_data("has_stage")
+tf_data_tuned = _tf_data("tf_data_tuned")

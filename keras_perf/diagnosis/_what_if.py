@@ -4,7 +4,7 @@ One function per change, listed in `DATA_CHANGES` and `COMPILE_CHANGES` in the o
 offered: each takes the run's context and a list of notes, and returns the `Change` to time
 where it applies (backend, kind of input, current settings), else None, with a note saying
 why where that is worth knowing. `candidates` walks the two lists; a new change is one new
-function added to one of them. The timing itself lives in `_core.py`: a warm-up fit (traces
+function added to one of them. The timing itself lives in `_trial.py`: a warm-up fit (traces
 the changed train function), then a fit timed from its start.
 """
 
@@ -61,7 +61,7 @@ class Change:
             self._undo()
 
 
-# -- data side: a copy of the input, the same train function ----------------------------------
+# Data side: the input (a copy of it, or its reading) and the batch size.
 
 
 def _pydataset_workers(ctx, notes) -> Change | None:
@@ -174,7 +174,7 @@ def _larger_batch(ctx, notes) -> Change | None:
     )
 
 
-# -- compile side: the twin recompiled ---------------------------------------------------------
+# Compile side: the twin recompiled.
 
 
 def _compiles_in_graph(ctx) -> bool:
@@ -261,8 +261,8 @@ def _mixed_precision(ctx, notes) -> Change | None:
     )
 
 
-# The changes in the order they are offered (and their notes written). Data-side changes copy
-# the input; compile-side ones recompile the twin, which needs Keras to have cloned the model.
+# The changes in the order they are offered (and their notes written). Data-side changes touch
+# the input or the batch; compile-side ones recompile the twin, which needs a clone of the model.
 DATA_CHANGES = (
     _pydataset_workers,
     _tf_data_prefetch,

@@ -133,6 +133,10 @@ def _guard(fn, *args):
 
 class _TFWriter:
     def __init__(self, log_dir: str) -> None:
+        # TensorFlow the library, not the Keras backend: `tf.summary` writes event files on
+        # every Keras backend where TensorFlow is installed, so this import does not go
+        # through `keras_perf.backend` (which dispatches on the Keras backend), and it is the
+        # only one in this module.
         import tensorflow as tf
 
         self._tf = tf

@@ -579,7 +579,7 @@ def test_mid_epoch_oom_replays_the_failed_epoch_for_every_input_kind(kind):
 
 
 def test_generator_epoch_too_large_to_keep_gives_up_clearly(monkeypatch):
-    monkeypatch.setattr(kp.oom._replay, "_REPLAY_LIMIT_BYTES", 100)  # fewer bytes than one batch
+    monkeypatch.setattr(kp.oom._state, "_REPLAY_LIMIT_BYTES", 100)  # fewer bytes than one batch
     x, y = _data(n=48)
     model = _failing_at(step=4)
     with pytest.raises(

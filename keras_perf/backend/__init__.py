@@ -33,6 +33,13 @@ Interface (every implementation module provides these names):
   TensorFlow only): the scope of the tf.distribute strategy `model` was created under, in which
   a model sharing its layers must be created; whether that strategy spans several workers;
   `flag` OR-ed over them.
+- ``global_rng_state() -> object | None`` and ``set_global_rng_state(state)`` (optional;
+  torch only): the framework's global RNG state, which `fit` and `clone_model` draw from;
+  elsewhere None and a no-op.
+- ``tf_data_has_stage(dataset, name) -> bool`` and ``tf_data_tuned(dataset, cache=False,
+  parallel_map=False)``: tf.data pipelines, on every backend (tf.data runs beside any Keras
+  backend with TensorFlow installed), so they always come from the ``tensorflow`` module,
+  imported at their first call.
 
 Every optional name is defined here on every backend, with a neutral default where the
 implementation has none (`any_worker` returns `flag`, `is_multi_worker` False, `model_scope`
@@ -88,6 +95,7 @@ __all__ = [
     "examples_seen",
     "fake_quant",
     "fake_quant_kernel",
+    "global_rng_state",
     "has_accelerator",
     "host_memory",
     "is_functional",
@@ -102,6 +110,9 @@ __all__ = [
     "release_step_state",
     "reset_host_peak_memory",
     "reset_peak_memory",
+    "set_global_rng_state",
+    "tf_data_has_stage",
+    "tf_data_tuned",
 ]
 
 is_oom_error = _impl.is_oom_error
@@ -170,3 +181,31 @@ def has_accelerator() -> bool:
 #: optimizer's state when it runs (TensorFlow graphs, eager torch), or bakes its value in when
 #: traced (a jitted JAX step receives only that state; see `carry_in_step_state`).
 STEP_READS_EXTERNAL_VARIABLES: bool = BACKEND != "jax"
+
+
+# The framework's own global RNG (torch's), which `fit` and `clone_model` draw from beside
+# Python's and NumPy's; TensorFlow and JAX: None (Keras draws their randomness from its own
+# seed generators).
+global_rng_state = getattr(_impl, "global_rng_state", lambda: None)
+set_global_rng_state = getattr(_impl, "set_global_rng_state", lambda state: None)
+
+
+def _tf_data(name):
+    """A tf.data function of the TensorFlow module, imported at the first call.
+
+    tf.data is TensorFlow the library, not the Keras backend: a `tf.data.Dataset` feeds `fit`
+    on every backend (TensorFlow installed), so these do not dispatch on `BACKEND`.
+    """
+
+    def call(*args, **kwargs):
+        from keras_perf.backend import tensorflow
+
+        return getattr(tensorflow, name)(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = f"`keras_perf.backend.tensorflow.{name}`, on any backend."
+    return call
+
+
+tf_data_has_stage = _tf_data("has_stage")
+tf_data_tuned = _tf_data("tf_data_tuned")

@@ -165,3 +165,12 @@ def moving_average_fake_quant(x, min_var, max_var, initialized_var, decay, bits,
             max_var.value.copy_(hi)
             initialized_var.value.fill_(1.0)
     return fake_quant(x, lo, hi, bits, False)
+
+
+def global_rng_state():
+    """torch's global RNG state, which Keras' `fit` and `clone_model` draw from on torch."""
+    return torch.random.get_rng_state()
+
+
+def set_global_rng_state(state) -> None:
+    torch.random.set_rng_state(state)

@@ -1,4 +1,5 @@
-"""Timing pieces for `diagnose`: the twin model, timed `fit` calls, and global random state.
+"""Timing pieces for `diagnose`: the twin model, timed `fit` calls (one, the fastest of
+several, or several alternated), and global random state.
 
 Everything is measured with real `fit` calls on a twin of the user's model (same layers,
 weights and compile settings; its own optimizer and metric objects), so the user's model and
@@ -101,19 +102,13 @@ class RandomState:
     def __init__(self):
         self.py = random.getstate()
         self.np = np.random.get_state()
-        self.torch = None
-        if keras.backend.backend() == "torch":
-            import torch
-
-            self.torch = torch.random.get_rng_state()
+        self.framework = _backend.global_rng_state()  # torch's; None elsewhere
 
     def restore(self):
         random.setstate(self.py)
         np.random.set_state(self.np)
-        if self.torch is not None:
-            import torch
-
-            torch.random.set_rng_state(self.torch)
+        if self.framework is not None:
+            _backend.set_global_rng_state(self.framework)
 
 
 class _Clock(keras.callbacks.Callback):
@@ -189,6 +184,51 @@ def fit_steps(model, steps, deadline=None, setup=None, **fit_kwargs):
     elif clock.first_begin is not None and clock.end is not None:
         seconds = clock.end - clock.first_begin
     return seconds, max(clock.steps, 1), clock
+
+
+def repeat_fits(
+    model, n, slice_end, deadline, max_repeats=7, setups=None, setup=None, **fit_kwargs
+):
+    """Fastest seconds per step over `n`-step fits repeated until `slice_end` (3 to 7 times).
+
+    A fit of a few dozen small steps lasts milliseconds, where one lost time slice on a busy
+    machine doubles it: as `timeit` does, the fastest of several repeats is the estimate least
+    disturbed by other work on the machine.
+    """
+    per_step, done = [], n
+    for _ in range(max_repeats):
+        seconds, done, clock = fit_steps(model, n, deadline, setup, **fit_kwargs)
+        per_step.append(seconds / done)
+        if setups is not None and clock.setup is not None:
+            setups.append(clock.setup)
+        if clock.late:  # stopped at the deadline: the later measurements take fewer steps
+            return min(per_step), done
+        if time.perf_counter() > slice_end and len(per_step) >= 3:
+            break
+    return min(per_step), n
+
+
+def alternate_fits(model, runs, slice_end, deadline, max_rounds=7):
+    """Fastest seconds per step of each of `runs` (`(steps, fit_kwargs)` pairs), from fits of
+    each in turn, round after round until `slice_end` (3 to `max_rounds` rounds)."""
+    per_step = [[] for _ in runs]
+    for _ in range(max_rounds):
+        for times, (n, kw) in zip(per_step, runs):
+            seconds, done, clock = fit_steps(model, n, deadline, **kw)
+            times.append(seconds / done)
+            if clock.late:  # stopped at the deadline
+                return [min(t) if t else times[-1] for t in per_step]
+        if time.perf_counter() > slice_end and len(per_step[0]) >= 3:
+            break
+    return [min(t) for t in per_step]
+
+
+def steady(clock, skip=1):
+    """Seconds per step after the first `skip` batches (the trace), from the batch-end times."""
+    times, marks = clock.times, clock.marks
+    if len(times) > skip + 1:
+        return (times[-1] - times[skip]) / (marks[-1] - marks[skip])
+    return (times[-1] - clock.start) / max(clock.steps, 1)
 
 
 class _EpochClock(keras.callbacks.Callback):

@@ -1,8 +1,11 @@
 """The changes `diagnose` tries: each applies to a twin (or a copy of the data) and is timed.
 
-A candidate is offered only where it applies (backend, kind of input, current settings); each
-returns a `fit` set-up to time, or a reason it was not measured. The timing itself lives in
-`_core.py`: a warm-up fit (traces the changed train function), then a fit timed from its start.
+One function per change, listed in `DATA_CHANGES` and `COMPILE_CHANGES` in the order they are
+offered: each takes the run's context and a list of notes, and returns the `Change` to time
+where it applies (backend, kind of input, current settings), else None, with a note saying
+why where that is worth knowing. `candidates` walks the two lists; a new change is one new
+function added to one of them. The timing itself lives in `_trial.py`: a warm-up fit (traces
+the changed train function), then a fit timed from its start.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import keras
 
 from keras_perf import backend as _backend
+from keras_perf.diagnosis._measure import compile_twin
 
 
 class Change:
@@ -57,190 +61,232 @@ class Change:
             self._undo()
 
 
-def _cache_change(ctx, ds, out, notes) -> None:
+# Data side: the input (a copy of it, or its reading) and the batch size.
+
+
+def _pydataset_workers(ctx, notes) -> Change | None:
+    """A PyDataset read by 4 worker threads, where it has fewer."""
+    if ctx.source.kind != "PyDataset":
+        return None
+    ds = ctx.source.x
+    workers, multi = ds.workers, ds.use_multiprocessing
+    if workers >= 4:
+        return None
+
+    def set_workers(ds=ds):
+        ds.workers = 4
+
+    def reset_workers(ds=ds, w=workers, m=multi):
+        ds.workers, ds.use_multiprocessing = w, m
+
+    return Change(
+        "PyDataset workers=4",
+        f"{type(ds).__name__}(..., workers=4)  # threads; passed to keras.utils.PyDataset.__init__",
+        ctx.base_fit_kwargs,
+        ctx.batch_size,
+        set_workers,
+        reset_workers,
+        retraces=False,
+    )
+
+
+def _tf_data_prefetch(ctx, notes) -> Change | None:
+    """`prefetch(AUTOTUNE)` last in a tf.data pipeline that does not end with one."""
+    ds = ctx.source.x
+    if ctx.source.kind != "tf.data" or type(ds).__name__ == "_PrefetchDataset":
+        return None
+    return Change(
+        "tf.data prefetch",
+        "dataset = dataset.prefetch(tf.data.AUTOTUNE)  # last in the pipeline",
+        {"x": _backend.tf_data_tuned(ds)},
+        ctx.batch_size,
+        retraces=False,
+    )
+
+
+def _tf_data_parallel_map(ctx, notes) -> Change | None:
+    """`num_parallel_calls=AUTOTUNE` for a tf.data pipeline with a map that is not parallel."""
+    ds = ctx.source.x
+    if ctx.source.kind != "tf.data" or not _backend.tf_data_has_stage(ds, "MapDataset"):
+        return None
+    return Change(
+        "tf.data parallel map",
+        "dataset = dataset.map(fn, num_parallel_calls=tf.data.AUTOTUNE)",
+        {"x": _backend.tf_data_tuned(ds, parallel_map=True)},
+        ctx.batch_size,
+        retraces=False,
+    )
+
+
+def _tf_data_cache(ctx, notes) -> Change | None:
     """`dataset.cache()`, when the pipeline is finite and one pass fits in the time budget.
 
     Its gain shows from the second pass on, so the cache is filled (one whole pass, untimed)
     before the timed fit. The cache is measured at the end of the pipeline, an upper bound on
     a cache placed before shuffling and random augmentation, where it belongs.
     """
-    import tensorflow as tf
-
-    from keras_perf.backend import tensorflow as _tf
-
-    if _tf.has_stage(ds, "CacheDataset"):
-        return
+    ds = ctx.source.x
+    if ctx.source.kind != "tf.data" or _backend.tf_data_has_stage(ds, "CacheDataset"):
+        return None
     batches = int(ds.cardinality())
     if batches <= 0:
         notes.append("tf.data cache not tried: the dataset is infinite or of unknown length.")
-        return
+        return None
     fill_s = ctx.input_per_batch * batches
     if fill_s > ctx.max_seconds / 4:
         notes.append(
             f"tf.data cache not tried: filling it takes one pass over {batches} batches "
             f"(about {fill_s:.0f} s), more than a quarter of max_seconds."
         )
-        return
-    cached = ds.cache().prefetch(tf.data.AUTOTUNE)
+        return None
+    cached = _backend.tf_data_tuned(ds, cache=True)
 
     def fill(cached=cached):
         for _ in cached:  # one full pass fills tf.data's in-memory cache for later iterators
             pass
 
     how = "dataset = dataset.cache()  # after the deterministic stages, before shuffle"
-    if _tf.has_stage(ds, "ShuffleDataset"):
+    if _backend.tf_data_has_stage(ds, "ShuffleDataset"):
         how += "; measured with the cache last, an upper bound"
-    out.append(Change("tf.data cache", how, {"x": cached}, ctx.batch_size, fill, retraces=False))
+    return Change("tf.data cache", how, {"x": cached}, ctx.batch_size, fill, retraces=False)
 
 
-def candidates(ctx) -> tuple[list[Change], list[str]]:
-    """The changes that apply to this model, data and backend; and notes on those that do not."""
-    from keras_perf.diagnosis._measure import compile_twin
-
-    out, notes = [], []
-    backend = keras.backend.backend()
-    source, twin, args, B = ctx.source, ctx.twin, ctx.compile_args, ctx.batch_size
-    base = ctx.base_fit_kwargs
-    n = ctx.steps
-
-    # -- data side ----------------------------------------------------------------------
-    if source.kind == "PyDataset":
-        ds = source.x
-        workers, multi = ds.workers, ds.use_multiprocessing
-        if workers < 4:
-
-            def set_workers(ds=ds):
-                ds.workers = 4
-
-            def reset_workers(ds=ds, w=workers, m=multi):
-                ds.workers, ds.use_multiprocessing = w, m
-
-            out.append(
-                Change(
-                    "PyDataset workers=4",
-                    f"{type(ds).__name__}(..., workers=4)  # threads; passed to "
-                    "keras.utils.PyDataset.__init__",
-                    base,
-                    B,
-                    set_workers,
-                    reset_workers,
-                    retraces=False,
-                )
-            )
-    if source.kind == "tf.data":
-        import tensorflow as tf
-
-        from keras_perf.backend import tensorflow as _tf
-
-        ds = source.x
-        if type(ds).__name__ != "_PrefetchDataset":
-            out.append(
-                Change(
-                    "tf.data prefetch",
-                    "dataset = dataset.prefetch(tf.data.AUTOTUNE)  # last in the pipeline",
-                    {"x": ds.prefetch(tf.data.AUTOTUNE)},
-                    B,
-                    retraces=False,
-                )
-            )
-        if _tf.has_stage(ds, "MapDataset"):  # a map that is not parallel
-            options = tf.data.Options()
-            options.experimental_optimization.map_parallelization = True
-            out.append(
-                Change(
-                    "tf.data parallel map",
-                    "dataset = dataset.map(fn, num_parallel_calls=tf.data.AUTOTUNE)",
-                    {"x": ds.with_options(options).prefetch(tf.data.AUTOTUNE)},
-                    B,
-                    retraces=False,
-                )
-            )
-    if source.kind == "tf.data":
-        _cache_change(ctx, source.x, out, notes)
-    if source.kind == "arrays" and source.examples // (2 * B) >= 2:
-        big = 2 * B
-        larger = Change(
-            f"batch_size={big}",
-            f"model.fit(..., batch_size={big})  # changes the optimisation: retune the "
-            "learning rate",
-            source.fit_kwargs(batch_size=big),
-            big,
-            on_oom=lambda: microbatch_change(ctx, big, notes),
+def _larger_batch(ctx, notes) -> Change | None:
+    """Twice the batch size, for arrays with at least 2 such batches; micro-batched instead
+    where memory is the limit (or where the larger batch runs out of memory)."""
+    source, B = ctx.source, ctx.batch_size
+    if source.kind != "arrays" or source.examples // (2 * B) < 2:
+        return None
+    big = 2 * B
+    if not ctx.larger_batch_fits:
+        notes.append(
+            f"batch_size={big} not tried as it is: memory is the limit (peak "
+            f"{ctx.peak_memory_bytes / 2**20:,.0f} MiB of {ctx.device_bytes / 2**20:,.0f} "
+            f"MiB); micro-batched instead."
         )
-        if ctx.larger_batch_fits:
-            out.append(larger)
-        else:
-            notes.append(
-                f"batch_size={big} not tried as it is: memory is the limit (peak "
-                f"{ctx.peak_memory_bytes / 2**20:,.0f} MiB of {ctx.device_bytes / 2**20:,.0f} "
-                f"MiB); micro-batched instead."
-            )
-            micro = microbatch_change(ctx, big, notes)
-            if micro is not None:
-                out.append(micro)
+        return microbatch_change(ctx, big, notes)
+    return Change(
+        f"batch_size={big}",
+        f"model.fit(..., batch_size={big})  # changes the optimisation: retune the learning rate",
+        source.fit_kwargs(batch_size=big),
+        big,
+        on_oom=lambda: microbatch_change(ctx, big, notes),
+    )
 
-    # -- compile side ---------------------------------------------------------------------
-    if not ctx.can_recompile:
-        notes.append("compile-side changes not tried: Keras could not clone this model.")
-        return out, notes
-    if backend in ("tensorflow", "jax") and not args.get("run_eagerly"):
-        current = int(args.get("steps_per_execution") or 1)
-        k = 32 if n >= 64 else max(2, 2 ** ((max(n // 2, 2)).bit_length() - 1))
-        if current < k:
-            out.append(
-                Change(
-                    f"steps_per_execution={k}",
-                    f"model.compile(..., steps_per_execution={k})",
-                    base,
-                    B,
-                    lambda k=k: compile_twin(twin, args, steps_per_execution=k),
-                    lambda: compile_twin(twin, args),
-                    steps_multiple=k,
-                )
-            )
-    elif backend == "torch":
+
+# Compile side: the twin recompiled.
+
+
+def _compiles_in_graph(ctx) -> bool:
+    """TensorFlow or JAX, not run eagerly: where `steps_per_execution` and XLA apply."""
+    return keras.backend.backend() in ("tensorflow", "jax") and not ctx.compile_args.get(
+        "run_eagerly"
+    )
+
+
+def _steps_per_execution(ctx, notes) -> Change | None:
+    """Several steps per call of the train function (32, or fewer for a short measurement)."""
+    twin, args, n = ctx.twin, ctx.compile_args, ctx.steps
+    if keras.backend.backend() == "torch":
         notes.append("steps_per_execution not offered: Keras refuses it on the torch backend.")
-    if backend in ("tensorflow", "jax") and not twin.jit_compile and not args.get("run_eagerly"):
-        out.append(
-            Change(
-                "jit_compile=True",
-                "model.compile(..., jit_compile=True)",
-                base,
-                B,
-                lambda: compile_twin(twin, args, jit_compile=True),
-                lambda: compile_twin(twin, args),
-                # XLA's first compile: 1.6-3.3x the first plain trace of an MLP or small CNN
-                # on TensorFlow (CPU), where a plain retrace costs a tenth of it.
-                trace_factor=4.0,
-            )
-        )
-    elif backend == "torch" and not twin.jit_compile:
+        return None
+    if not _compiles_in_graph(ctx):
+        return None
+    current = int(args.get("steps_per_execution") or 1)
+    k = 32 if n >= 64 else max(2, 2 ** ((max(n // 2, 2)).bit_length() - 1))
+    if current >= k:
+        return None
+    return Change(
+        f"steps_per_execution={k}",
+        f"model.compile(..., steps_per_execution={k})",
+        ctx.base_fit_kwargs,
+        ctx.batch_size,
+        lambda k=k: compile_twin(twin, args, steps_per_execution=k),
+        lambda: compile_twin(twin, args),
+        steps_multiple=k,
+    )
+
+
+def _jit_compile(ctx, notes) -> Change | None:
+    """XLA (`jit_compile=True`) on TensorFlow and JAX, where the twin does not use it yet."""
+    twin, args = ctx.twin, ctx.compile_args
+    if twin.jit_compile:
+        return None
+    if keras.backend.backend() == "torch":
         notes.append(
             "jit_compile=True (torch.compile) not measured: its first compile can take longer "
             "than the whole time budget."
         )
-    if _backend.has_accelerator():
-        from keras_perf.mixed_precision import auto_policy
+        return None
+    if not _compiles_in_graph(ctx):
+        return None
+    return Change(
+        "jit_compile=True",
+        "model.compile(..., jit_compile=True)",
+        ctx.base_fit_kwargs,
+        ctx.batch_size,
+        lambda: compile_twin(twin, args, jit_compile=True),
+        lambda: compile_twin(twin, args),
+        # XLA's first compile: 1.6-3.3x the first plain trace of an MLP or small CNN
+        # on TensorFlow (CPU), where a plain retrace costs a tenth of it.
+        trace_factor=4.0,
+    )
 
-        policy = auto_policy()  # float16 on GPUs with tensor cores, bfloat16 on TPUs
-        if policy == "float32":
-            notes.append(
-                "mixed precision not offered: this GPU has no float16 tensor cores (compute "
-                "capability below 7.0), where float16 does not run faster."
-            )
-        elif twin.dtype_policy.name == "float32":
-            out.append(
-                Change(
-                    f"mixed precision ({policy})",
-                    f"kp.setup_mixed_precision('{policy}')  # before building the model",
-                    base,
-                    B,
-                    lambda: ctx.use_mixed_twin(policy),
-                    ctx.drop_mixed_twin,
-                    # A new model, traced anew (with XLA on TensorFlow where the twin uses it).
-                    trace_factor=4.0 if backend == "tensorflow" and twin.jit_compile else 1.0,
-                )
-            )
+
+def _mixed_precision(ctx, notes) -> Change | None:
+    """The policy `kp.setup_mixed_precision("auto")` picks, on a GPU or TPU, for a float32 twin."""
+    if not _backend.has_accelerator():
+        return None
+    from keras_perf.mixed_precision import auto_policy
+
+    twin = ctx.twin
+    policy = auto_policy()  # float16 on GPUs with tensor cores, bfloat16 on TPUs
+    if policy == "float32":
+        notes.append(
+            "mixed precision not offered: this GPU has no float16 tensor cores (compute "
+            "capability below 7.0), where float16 does not run faster."
+        )
+        return None
+    if twin.dtype_policy.name != "float32":
+        return None
+    return Change(
+        f"mixed precision ({policy})",
+        f"kp.setup_mixed_precision('{policy}')  # before building the model",
+        ctx.base_fit_kwargs,
+        ctx.batch_size,
+        lambda: ctx.use_mixed_twin(policy),
+        ctx.drop_mixed_twin,
+        # A new model, traced anew (with XLA on TensorFlow where the twin uses it).
+        trace_factor=4.0 if keras.backend.backend() == "tensorflow" and twin.jit_compile else 1.0,
+    )
+
+
+# The changes in the order they are offered (and their notes written). Data-side changes touch
+# the input or the batch; compile-side ones recompile the twin, which needs a clone of the model.
+DATA_CHANGES = (
+    _pydataset_workers,
+    _tf_data_prefetch,
+    _tf_data_parallel_map,
+    _tf_data_cache,
+    _larger_batch,
+)
+COMPILE_CHANGES = (_steps_per_execution, _jit_compile, _mixed_precision)
+
+
+def candidates(ctx) -> tuple[list[Change], list[str]]:
+    """The changes that apply to this model, data and backend; and notes on those that do not."""
+    out, notes = [], []
+    for offer in DATA_CHANGES:
+        change = offer(ctx, notes)
+        if change is not None:
+            out.append(change)
+    if not ctx.can_recompile:
+        notes.append("compile-side changes not tried: Keras could not clone this model.")
+        return out, notes
+    for offer in COMPILE_CHANGES:
+        change = offer(ctx, notes)
+        if change is not None:
+            out.append(change)
     return out, notes
 
 

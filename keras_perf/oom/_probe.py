@@ -1,7 +1,7 @@
 """`find_max_microbatch`: the largest micro-batch of a batch that fits, by probing.
 
 Lives here: the probe and how it takes its batch from arrays or a dataset. Not here: the
-snapshot it restores afterwards (`_snapshot`), training that recovers from OOM (`_retry`).
+snapshot it restores afterwards (`_state`), training that recovers from OOM (`_retry`).
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ import numpy as np
 
 from keras_perf import backend as _backend
 from keras_perf._utils import check_int, first_tensor, map_batch
-from keras_perf.oom._errors import _error_text
-from keras_perf.oom._inputs import _is_array_input
-from keras_perf.oom._snapshot import _restore, _snapshot
+from keras_perf.oom._retry import _error_text
+from keras_perf.oom._state import _is_array_input, _restore, _snapshot
 from keras_perf.train_step import LossScaleTrainStep, loss_scaled
 
 

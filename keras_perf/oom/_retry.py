@@ -1,28 +1,97 @@
-"""`fit_with_oom_retry` and `_Run`, its retry loop: `fit` calls and the recovery between them.
+"""`fit_with_oom_retry`: `fit` calls, and the recovery between them.
 
-Lives here: the loop, what is recorded at each OOM, whether to retry, and the recovery
-(rewind, free memory, more pieces per batch). Not here: the snapshot (`_snapshot`), the
-callbacks (`_callbacks`), the generator replay (`_replay`), the accumulation route
-(`_accumulation`), the argument checks (`_checks`), `find_max_microbatch` (`_probe`).
+Read top to bottom: the argument checks (all before any training step), how an OOM and the
+attempts are written (`_error_text`, `_tried`), `_Run` (one run: its `fit` call, what is
+recorded at an OOM, whether to retry, the recovery: rewind, free memory, climb one rung) and
+`fit_with_oom_retry`, the loop. Not here: the inputs, snapshot, replay and callbacks
+(`_state`), the rungs (`_rungs`), `find_max_microbatch` (`_probe`).
 """
 
 from __future__ import annotations
 
 import math
+import re
 import types
 
 import keras
 
 from keras_perf import backend as _backend
-from keras_perf.oom import _replay
-from keras_perf.oom._accumulation import _Accumulation
-from keras_perf.oom._callbacks import _RunCallbacks
-from keras_perf.oom._checks import _check_arguments, _check_min_batch_size
-from keras_perf.oom._errors import _error_text, _tried
-from keras_perf.oom._inputs import _KERAS_DEFAULT_BATCH, _infer_batch_size, _is_array_input, _steps
-from keras_perf.oom._replay import _Replay
-from keras_perf.oom._routes import _accumulates, _cannot_microbatch, _microbatches
+from keras_perf._utils import check_int
+from keras_perf.oom import _state
+from keras_perf.oom._rungs import ACCUMULATE, _Accumulation, _cannot_climb, _microbatches, _rung
+from keras_perf.oom._state import (
+    _KERAS_DEFAULT_BATCH,
+    _infer_batch_size,
+    _is_array_input,
+    _Replay,
+    _RunCallbacks,
+    _steps,
+)
 from keras_perf.train_step import LossScaleTrainStep, loss_scaled
+
+
+def _check_validation_data(fit_kwargs) -> None:
+    if isinstance(fit_kwargs.get("validation_data"), types.GeneratorType):
+        raise ValueError(
+            "fit_with_oom_retry: `validation_data` is a generator. The epoch retried after an "
+            "out-of-memory error runs in a new `fit` call, which cannot read the batches the "
+            "failed one took from it. Pass arrays, a `keras.utils.PyDataset` or a "
+            "`tf.data.Dataset` as `validation_data`."
+        )
+
+
+def _check_arguments(model, batch_size, epochs, min_batch_size, max_retries, fit_kwargs):
+    """Validate the arguments (before any step); returns them checked, and `initial_epoch`."""
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
+    if _backend.is_multi_worker(model):
+        raise RuntimeError(
+            "kp.fit_with_oom_retry does not support a multi-worker MultiWorkerMirroredStrategy: "
+            "an out-of-memory error on one worker cannot be coordinated with the other workers, "
+            "which would wait in their next collective instead of retrying. Use `model.fit` "
+            "with a batch size that fits."
+        )
+    batch_size = check_int("batch_size", batch_size, minimum=1, allow_none=True)
+    epochs = check_int("epochs", epochs, minimum=1)
+    min_batch_size = check_int("min_batch_size", min_batch_size, minimum=1)
+    max_retries = check_int("max_retries", max_retries, minimum=0)
+    initial_epoch = check_int("initial_epoch", fit_kwargs.pop("initial_epoch", 0), minimum=0)
+    if getattr(model, "optimizer", None) is None:
+        raise ValueError(
+            f"Model '{model.name}' is not compiled: call `model.compile(optimizer, loss)` before "
+            "kp.fit_with_oom_retry()."
+        )
+    if isinstance(fit_kwargs.get("callbacks"), keras.callbacks.CallbackList):
+        raise TypeError("Pass `callbacks` as a list of callbacks, not a CallbackList.")
+    _check_validation_data(fit_kwargs)
+    return batch_size, epochs, min_batch_size, max_retries, initial_epoch
+
+
+def _check_min_batch_size(min_batch_size, batch) -> None:
+    if batch is not None and min_batch_size > batch:
+        raise ValueError(
+            f"`min_batch_size` ({min_batch_size}) must be at most the batch size ({batch}): "
+            "no micro-batch could be tried. Lower `min_batch_size`."
+        )
+
+
+def _error_text(exc: BaseException) -> str:
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))  # Keras bolds the message in a terminal
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].startswith("Exception encountered when calling"):
+        lines = lines[1:]  # Keras' note on which layer raised; the error's own text follows
+    text = f"{type(exc).__name__}: {lines[0] if lines else ''}"
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _tried(events, batch_size) -> str:
+    parts = []
+    for e in events:
+        size = "?" if batch_size is None else math.ceil(batch_size / e["microbatches"])
+        parts.append(
+            f"epoch {e['epoch']}: batch {e['batch_size']} in {e['microbatches']} micro-batch(es) of {size}"
+        )
+    return "; ".join(parts)
 
 
 class _Run:
@@ -46,7 +115,8 @@ class _Run:
         self.replay = _Replay(x) if isinstance(x, types.GeneratorType) else None
         self.x = x if self.replay is None else self.replay.stream(0)
         self.events: list[dict] = []
-        self.accumulation = _Accumulation(model) if _accumulates(model, self.array_input) else None
+        rung = _rung(model, self.array_input)
+        self.accumulation = _Accumulation(model) if rung == ACCUMULATE else None
         self.callbacks = _RunCallbacks(
             list(self.user_callbacks or []),
             x=x,
@@ -95,14 +165,14 @@ class _Run:
     def why_not_retry(self, nxt, max_retries, min_batch_size) -> str | None:
         """Why the run gives up instead of retrying with `nxt` pieces per batch (None: retry)."""
         batch = self.batch
-        reason = _cannot_microbatch(self.fitting, self.array_input, self.weighted)
+        reason = _cannot_climb(self.fitting, self.array_input, self.weighted)
         if reason is None and len(self.events) > max_retries:
             reason = f"max_retries={max_retries} recoveries were used up."
         if reason is None and self.replay is not None:
             if not self.replay.can_replay(self.callbacks.steps_done):
                 reason = (
                     "the generator given as `x` cannot be replayed: the failed epoch took more "
-                    f"than {_replay._REPLAY_LIMIT_BYTES} bytes of batches from it, more than are "
+                    f"than {_state._REPLAY_LIMIT_BYTES} bytes of batches from it, more than are "
                     "kept. "
                     "Pass a `keras.utils.PyDataset` or a `tf.data.Dataset`, which an epoch can "
                     "read again."

@@ -1,9 +1,12 @@
-"""The gradient-accumulation route, for a subclassed model without the mixin fed arrays.
+"""The rungs of the ladder: how a model gets more pieces per batch after an OOM.
 
-Lives here: `_Accumulation` (an optimizer copy with `gradient_accumulation_steps=k`, its
-state handed back at the end), `_copy_optimizer_state`, `PerUpdateSchedule` and the loss
-reductions that rule accumulation out. Not here: the micro-batch route (`kp.loss_scaled`,
-`kp.LossScaleTrainStep` in keras_perf/train_step.py), the choice between routes (`_routes`).
+Read top to bottom: `_rung` (which rung a model takes: micro-batches, or smaller batches with
+gradient accumulation, or none), `_cannot_climb` (why a model can take neither), then the
+accumulation rung itself: `_Accumulation` (an optimizer copy with
+`gradient_accumulation_steps=k`, its state handed back at the end), `_copy_optimizer_state`,
+`PerUpdateSchedule` and the loss reductions that rule accumulation out. Not here: the
+micro-batch rung (`kp.loss_scaled`, `kp.LossScaleTrainStep` in keras_perf/train_step.py),
+the loop that climbs (`_retry`).
 """
 
 from __future__ import annotations
@@ -12,6 +15,48 @@ import keras
 
 from keras_perf import _keras_internals as keras_internals
 from keras_perf import backend as _backend
+from keras_perf.train_step import LossScaleTrainStep
+
+MICROBATCH = "microbatch"  # keras-perf's train step cuts each batch into micro-batches
+ACCUMULATE = "accumulate"  # half the batch size, twice the batches per optimizer update
+
+
+def _rung(model, array_input: bool) -> str | None:
+    """The rung `model` climbs at an OOM: `MICROBATCH`, `ACCUMULATE` or None (neither).
+
+    Micro-batches for a model with keras-perf's train step, or a stock Sequential or
+    Functional model (which gets a `kp.loss_scaled` twin); a subclassed model without the
+    mixin can only be given smaller batches, which `fit` makes from arrays alone.
+    """
+    if isinstance(model, (LossScaleTrainStep, keras.Sequential)) or _backend.is_functional(model):
+        return MICROBATCH
+    return ACCUMULATE if array_input else None
+
+
+def _microbatches(model) -> int:
+    return model.microbatches if isinstance(model, LossScaleTrainStep) else 1
+
+
+def _cannot_climb(model, array_input, weighted) -> str | None:
+    """Why `model` can be given neither more micro-batches nor accumulation (None: it can)."""
+    rung = _rung(model, array_input)
+    if rung == MICROBATCH:
+        return None
+    if rung == ACCUMULATE:
+        refusal = _Accumulation.refuses(model, weighted)
+        if refusal is None:
+            return None
+        data = f"Smaller batches with gradient accumulation are not possible either: {refusal}"
+    else:
+        data = (
+            "tf.data datasets, PyDatasets and generators cannot be re-batched, so micro-batching "
+            "is the only way to keep the batch."
+        )
+    return (
+        f"{type(model).__name__} is a subclassed model without keras-perf's train step, so its "
+        f"batch cannot be cut into micro-batches. {data} Subclass the mixin: "
+        f"`class {type(model).__name__}(kp.LossScaleTrainStep, keras.Model): ...`."
+    )
 
 
 # The accumulation route below reads three private attributes of Keras optimizers, through

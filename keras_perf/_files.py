@@ -3,7 +3,7 @@
 `append_bytes` appends one record whole or not at all; `_check_path`, `_prepare_file` and
 `_prepare_dir` check a `log_path`/`log_dir` argument and create its folders before the first
 step, raising a `ValueError` that names the argument. Used by `TrainingMonitor`. Not here:
-the `backup_dir` checks of the stateful callbacks (`keras_perf/_state.py`) and the TensorBoard
+the `backup_dir` checks of the stateful callbacks (`keras_perf/stopping/_state.py`) and the TensorBoard
 writer (`keras_perf/_tensorboard.py`).
 """
 

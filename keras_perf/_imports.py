@@ -1,12 +1,11 @@
-"""How keras-perf imports what it needs: late for the command, optional packages by extra.
+"""How keras-perf imports what it needs: Keras on first use, optional packages by extra.
 
 This module imports nothing heavy: `keras_perf/__init__.py` reads it before anything else.
 
-- `command_start()`: the process is the `keras-perf` command (`keras-perf ...`,
-  `python -m keras_perf ...`). The package then defers its imports to first use, so argparse
-  answers `--help` and bad arguments before Keras (and TensorFlow) is imported. Imported as a
-  library, keras-perf imports everything at once as before, so that
-  `keras.saving.load_model` finds its registered classes after a bare `import keras_perf`.
+- `after_import()`: run a function right after a module's first import. `keras_perf` uses it
+  to register its serializable classes with Keras as soon as Keras is imported (see
+  `keras_perf/__init__.py`), so the `keras-perf` command answers `--help` without Keras while
+  `keras.saving.load_model` still finds our classes after a bare `import keras_perf`.
 - `require()`: an optional dependency (TensorFlow for TFLite, matplotlib for plots, ...) is
   checked where it is needed, and its absence is an `ImportError` naming the keras-perf extra
   that installs it.
@@ -15,8 +14,8 @@ This module imports nothing heavy: `keras_perf/__init__.py` reads it before anyt
 from __future__ import annotations
 
 import importlib
+import importlib.abc
 import importlib.util
-import os
 import sys
 
 # `pip install keras-perf[<extra>]` installs these distributions (see pyproject.toml).
@@ -28,40 +27,49 @@ EXTRAS = {
     "tensorflow_model_optimization": ("tensorflow-model-optimization", "tfmot"),
 }
 
-_COMMAND_MODULES = ("keras_perf", "keras_perf.cli", "keras_perf.__main__")
-_loading_deferred = False
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """A one-shot finder: the first import of `name` runs `callback` once the module is done."""
+
+    def __init__(self, name: str, callback):
+        self.name, self.callback = name, callback
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)  # the other finders, this one removed
+        if spec is not None and spec.loader is not None:
+            spec.loader = _ThenLoader(spec.loader, self.callback)
+        return spec
 
 
-def command_start() -> bool:
-    """True while the `keras-perf` command (or `python -m keras_perf[.cli]`) starts up."""
-    if _loading_deferred or not sys.argv:
-        return False
-    script = os.path.basename(sys.argv[0])
-    for suffix in ("-script.pyw", "-script.py", ".exe"):  # pip's Windows launchers
-        script = script.removesuffix(suffix)
-    if script == "keras-perf":
-        return True
-    if sys.argv[0] != "-m":  # Python sets argv[0] to "-m" while it imports the -m package
-        return False
-    args = getattr(sys, "orig_argv", [])
-    for i, arg in enumerate(args[1:], start=1):
-        if arg == "-m":
-            return i + 1 < len(args) and args[i + 1] in _COMMAND_MODULES
-        if arg.startswith("-m"):
-            return arg[2:] in _COMMAND_MODULES
-    return False
+class _ThenLoader(importlib.abc.Loader):
+    """Executes the module with its own loader, then calls `callback` (wrapt's pattern)."""
+
+    def __init__(self, loader, callback):
+        self.loader, self.callback = loader, callback
+
+    def create_module(self, spec):
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module):
+        module.__loader__ = module.__spec__.loader = self.loader  # the module sees its own
+        self.loader.exec_module(module)
+        self.callback()
 
 
-def load_deferred(package: str, name: str):
-    """Import the whole package now (its module `__getattr__` during the command)."""
-    global _loading_deferred
-    if name.startswith("_"):
-        raise AttributeError(f"module {package!r} has no attribute {name!r}")
-    module = sys.modules[package]
-    vars(module).pop("__getattr__", None)
-    _loading_deferred = True
-    importlib.reload(module)  # `__init__` runs again, now importing everything
-    return getattr(module, name)
+def after_import(name: str, callback) -> None:
+    """Call `callback()` now if module `name` is imported, else right after its first import.
+
+    `callback` runs inside that `import` statement, after the module has executed; an exception
+    it raises is the caller's to catch (it would fail the `import`). One callback per module:
+    a second call for a module still awaited is ignored.
+    """
+    if sys.modules.get(name) is not None:
+        callback()
+    elif not any(isinstance(f, _AfterImport) and f.name == name for f in sys.meta_path):
+        sys.meta_path.insert(0, _AfterImport(name, callback))
 
 
 def require(module: str, feature: str, extra: str | None = None):

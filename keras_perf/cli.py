@@ -1,7 +1,7 @@
 """The `keras-perf` command: `doctor`, `demo`, `bench` and `diagnose`.
 
 Arguments are parsed before Keras is imported, so `--help` and argument errors answer at once
-(see keras_perf/_imports.py for how the package defers its own imports in this process). Unless
+(`import keras_perf` imports no Keras: see keras_perf/__init__.py). Unless
 `--verbose` is given, the command hides the native (C++) log lines TensorFlow and XLA print on
 import and device start-up ("oneDNN custom operations are on", "failed call to cuInit", ...):
 it sets `TF_CPP_MIN_LOG_LEVEL=3` where the user has not set it, and, because TensorFlow 2.19+
@@ -244,6 +244,8 @@ def diagnose(args: argparse.Namespace) -> int:
 
     import keras_perf as kp
 
+    # Importing Keras above registered keras-perf's classes (keras_perf/__init__.py), so a
+    # model using them (a QAT layer, a LossScaledModel, ...) loads.
     model = keras.saving.load_model(args.model)
     if not getattr(model, "compiled", False) or model.optimizer is None:
         print(

@@ -1,6 +1,8 @@
 """The backend shim: OOM detection, memory stats, device list, host memory."""
 
+import gc
 import sys
+import weakref
 
 import keras
 import numpy as np
@@ -89,8 +91,28 @@ def test_host_memory_is_plausible():
     assert mem["current_bytes"] is None or 50e6 < mem["current_bytes"] <= mem["peak_bytes"] * 1.01
 
 
-def test_clear_memory_runs():
-    backend.clear_memory()
+def _failed_step():
+    """A step that dies with an error, as on out-of-memory: its tensor outlives it in a cycle."""
+    activations = keras.ops.ones((1000, 1000))
+    try:
+        raise MemoryError("out of memory")
+    except MemoryError as e:
+        error = e  # noqa: F841 (error -> traceback -> this frame -> error: a reference cycle)
+    return weakref.ref(activations)
+
+
+def test_clear_memory_frees_the_tensors_of_a_failed_step():
+    # `fit_with_oom_retry` calls it before retrying: the failed step's tensors, reachable only
+    # through the error's traceback, must be gone before the retry allocates again.
+    gc.collect()
+    gc.disable()  # no automatic collection between the step and the call
+    try:
+        activations = _failed_step()
+        assert activations() is not None  # held by the cycle
+        assert backend.clear_memory() is None
+        assert activations() is None
+    finally:
+        gc.enable()
 
 
 @pytest.mark.skipif(

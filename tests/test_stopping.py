@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import keras_perf as kp
-from keras_perf import time_limit
+from keras_perf.stopping import _time_limit as time_limit
 from tests import models
 
 BACKEND = keras.backend.backend()
@@ -703,3 +703,49 @@ def test_tf_distribute_replicas_share_the_decision():
     assert result["stopped"] == keras_es.stopped_epoch == last > 0
     assert result["best_epoch"] == keras_es.best_epoch
     assert result["eval"] == pytest.approx(min(result["val_loss"]), rel=1e-4)
+
+
+# -- files written before keras_perf/stopping/ became a package --------------------------------
+FIXTURE = os.path.join(os.path.dirname(__file__), "data", "stopping_v1")  # make_stopping_fixture.py
+
+
+def test_configs_saved_by_the_old_modules_still_deserialize():
+    # Keras looks the registered name up ("keras_perf>EarlyStopping"); the recorded module
+    # ("keras_perf.early_stopping") no longer exists.
+    with open(os.path.join(FIXTURE, "configs.json")) as f:
+        saved = json.load(f)
+    assert saved["EarlyStopping"]["module"] == "keras_perf.early_stopping"
+    for cls in (kp.EarlyStopping, kp.TimeLimit):
+        entry = saved[cls.__name__]
+        assert entry["registered_name"] == f"keras_perf>{cls.__name__}"
+        obj = keras.saving.deserialize_keras_object(entry)
+        assert type(obj) is cls
+        assert obj.get_config() == entry["config"]
+        assert (
+            keras.saving.serialize_keras_object(obj)["registered_name"] == entry["registered_name"]
+        )
+
+
+def test_backup_state_files_written_by_the_old_modules_resume(tmp_path):
+    import shutil
+
+    sys.path.insert(0, os.path.dirname(FIXTURE))
+    try:
+        import make_stopping_fixture as fixture
+    finally:
+        sys.path.pop(0)
+    backup = str(tmp_path / "backup")
+    shutil.copytree(os.path.join(FIXTURE, "backup"), backup)
+    with open(os.path.join(FIXTURE, "expected.json")) as f:
+        expected = json.load(f)
+    model = fixture.model()
+    for cb in fixture.callbacks(backup):
+        cb.set_model(model)
+        cb.set_params({"epochs": 5, "steps": 1, "verbose": 0})
+        cb.on_train_begin()  # finds its state file (named by class, monitor, arguments)
+        state = cb.state_dict()
+        weights = state.pop("best_weights")
+        assert {k: state[k] for k in expected[type(cb).__name__]} == expected[type(cb).__name__]
+        if isinstance(cb, kp.EarlyStopping):
+            assert state["wait"] == 1 and state["best_epoch"] == 1  # not a fresh start
+            np.testing.assert_array_equal(weights[0], np.array(expected["best_weights"], "float32"))

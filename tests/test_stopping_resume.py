@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import keras_perf as kp
-from keras_perf import _state, time_limit
+from keras_perf.stopping import _state
+from keras_perf.stopping import _time_limit as time_limit
 
 SCRIPT = [5.0, 4.0, 3.0, 3.5, 2.9, 3.1, 3.2, 3.3, 3.4, 3.5]  # best at 4; patience 2 -> stop at 6
 X = np.random.default_rng(0).normal(size=(16, 4)).astype("float32")

@@ -21,6 +21,3 @@ from keras_perf.distillation._model import DistillationModel
 from keras_perf.distillation._precompute import precompute_teacher_logits
 
 __all__ = ["DistillationModel", "precompute_teacher_logits"]
-
-# Saved configs and reprs name the public module, as before the split.
-DistillationModel.__module__ = __name__

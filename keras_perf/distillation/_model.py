@@ -36,7 +36,8 @@ from keras_perf.train_step import LossScaleTrainStep
 _DISTILL_METRICS = ("distillation_loss", "feature_loss")
 
 
-@keras.saving.register_keras_serializable(package="keras_perf")
+# Saved configs name it "keras_perf>DistillationModel" (Keras looks that up, not the module).
+@keras.saving.register_keras_serializable(package="keras_perf", name="DistillationModel")
 class DistillationModel(_FeatureDistillation, _DistillationConfig, LossScaleTrainStep, keras.Model):
     """Trains a student model to match a frozen teacher's softened outputs (and the labels).
 

@@ -43,9 +43,3 @@ from keras_perf.monitor._meter import EpochMeter
 from keras_perf.monitor._report import MONITOR_KEYS as MONITOR_KEYS
 
 __all__ = ["EpochMeter", "TrainingMonitor"]
-
-# The classes keep `keras_perf.monitor` as their module, as before the split into parts:
-# Keras writes it into serialized configs (`"module"`), and it shows in reprs and pickles.
-for _cls in (EpochMeter, TrainingMonitor):
-    _cls.__module__ = __name__
-del _cls

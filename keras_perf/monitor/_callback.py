@@ -30,7 +30,8 @@ from keras_perf.monitor._report import is_number as _is_number
 __all__ = ["TrainingMonitor"]
 
 
-@keras.saving.register_keras_serializable(package="keras_perf")
+# Saved configs name it "keras_perf>TrainingMonitor" (Keras looks that up, not the module).
+@keras.saving.register_keras_serializable(package="keras_perf", name="TrainingMonitor")
 class TrainingMonitor(keras.callbacks.Callback):
     """Records throughput, step-time percentiles, peak memory and MFU for every epoch.
 

@@ -1,8 +1,8 @@
 """`TimeLimit`: stop training before a wall-clock budget runs out.
 
-It shares `keras_perf._monitoring_callback.MonitoringCallback` with `EarlyStopping`
+It shares `keras_perf.stopping._base.MonitoringCallback` with `EarlyStopping`
 (best-epoch tracking, best weights, `state_dict()`, and the persistence beside a
-`BackupAndRestore` backup through `keras_perf._state`); this module adds the clock and the
+`BackupAndRestore` backup through `keras_perf.stopping._state`); this module adds the clock and the
 estimate of the next epoch.
 """
 
@@ -15,8 +15,8 @@ import keras
 
 from keras_perf import _keras_internals as keras_internals
 from keras_perf import backend as _backend
-from keras_perf._monitoring_callback import MonitoringCallback
 from keras_perf._utils import check_choice, check_number, warn
+from keras_perf.stopping._base import MonitoringCallback
 
 __all__ = ["TimeLimit"]
 
@@ -33,7 +33,9 @@ def _longest_after_first(times: list, longest_after_first: float) -> float:
     return longest_after_first if len(times) > 1 else times[0]
 
 
-@keras.saving.register_keras_serializable(package="keras_perf")
+# The registered name is the one in every saved config since 0.1 ("keras_perf>TimeLimit"):
+# keep it when moving the class.
+@keras.saving.register_keras_serializable(package="keras_perf", name="TimeLimit")
 class TimeLimit(MonitoringCallback):
     """Stop training before a wall-clock budget runs out.
 

@@ -8,7 +8,7 @@ divergence threshold and a stop on NaN/Inf.
 
 Not here: what it shares with `TimeLimit` (monitored value and direction, best weights,
 missing key, `state_dict()` and the save beside a `BackupAndRestore` backup) is
-`keras_perf._monitoring_callback.MonitoringCallback`; `TimeLimit` is `keras_perf.time_limit`.
+`keras_perf.stopping._base.MonitoringCallback`; `TimeLimit` is in `_time_limit`.
 """
 
 from __future__ import annotations
@@ -18,13 +18,15 @@ import math
 import keras
 import numpy as np
 
-from keras_perf._monitoring_callback import _LESS, MonitoringCallback
 from keras_perf._utils import check_bool, check_int, check_number
+from keras_perf.stopping._base import _LESS, MonitoringCallback
 
 __all__ = ["EarlyStopping"]
 
 
-@keras.saving.register_keras_serializable(package="keras_perf")
+# The registered name is the one in every saved config since 0.1 ("keras_perf>EarlyStopping"):
+# keep it when moving the class.
+@keras.saving.register_keras_serializable(package="keras_perf", name="EarlyStopping")
 class EarlyStopping(MonitoringCallback):
     """Stop training when the monitored metric stops improving, is good enough, or diverges.
 

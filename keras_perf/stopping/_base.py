@@ -12,15 +12,15 @@ warning, and the resumable state. Both callbacks, through this base,
 - carry their state across an interruption: `state_dict()`/`load_state_dict()`, and, with
   `backup_dir=` set to the directory of a `keras.callbacks.BackupAndRestore`, they save that
   state beside the backup after every epoch and reload it when the fit is resumed
-  (`keras_perf._state`), whatever the order of the callbacks;
+  (`keras_perf.stopping._state`), whatever the order of the callbacks;
 - reset in `on_train_begin`, so one instance serves several fits.
 
 The decision is taken on the host from the epoch logs, which Keras has already reduced across
 replicas under `tf.distribute`, so every replica (and every worker) takes the same decision.
 
-Not here: the stopping rules (`keras_perf.early_stopping`, `keras_perf.time_limit`) and the
-files on disk (`keras_perf._state`). Users import the callbacks from `keras_perf` (or
-`keras_perf.stopping`, which also re-exports this base).
+Not here: the stopping rules (`_early_stopping`, `_time_limit` in this package) and the
+files on disk (`_state`). Users import the callbacks from `keras_perf` (or
+`keras_perf.stopping`, which also exports this base).
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ import keras
 import numpy as np
 
 from keras_perf import _keras_internals as keras_internals
-from keras_perf._state import CallbackStateStore, check_backup_dir, read_backup_epoch
 from keras_perf._utils import check_bool, check_choice, check_int, warn
+from keras_perf.stopping._state import CallbackStateStore, check_backup_dir, read_backup_epoch
 
 __all__ = ["MonitoringCallback"]
 
@@ -341,7 +341,7 @@ class MonitoringCallback(keras.callbacks.Callback):
         weights = state.pop("best_weights")
         # When BackupAndRestore has already saved this epoch (it is listed first), keep the
         # weights with the state: if the process dies before the next save of ours, the
-        # resumed fit trains the next epoch again from them (see `keras_perf._state`).
+        # resumed fit trains the next epoch again from them (see `keras_perf.stopping._state`).
         model = None
         try:
             if epoch < 0 or read_backup_epoch(self.backup_dir) == epoch + 1:

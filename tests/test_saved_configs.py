@@ -1,0 +1,33 @@
+"""Configs saved before a class moved to another module still deserialize.
+
+Keras writes a registered class's `registered_name` ("keras_perf>DistillationModel") and its
+module into every saved config and looks the registered name up first; the fixtures were
+written by the code of the day (tests/data/make_*_fixture.py), when the recorded modules were
+`keras_perf.monitor` and `keras_perf.distillation` (stopping: tests/test_stopping.py).
+"""
+
+import json
+import os
+
+import keras
+import pytest
+
+import keras_perf as kp
+
+DATA = os.path.join(os.path.dirname(__file__), "data")
+with open(os.path.join(DATA, "configs_v1.json")) as f:
+    SAVED = json.load(f)
+
+
+@pytest.mark.parametrize(
+    "cls", [kp.TrainingMonitor, kp.DistillationModel], ids=lambda c: c.__name__
+)
+def test_config_saved_before_the_move_deserializes(cls):
+    entry = SAVED[cls.__name__]
+    assert entry["registered_name"] == f"keras_perf>{cls.__name__}"
+    assert entry["module"] != cls.__module__  # written when the module was another
+    obj = keras.saving.deserialize_keras_object(entry)
+    assert type(obj) is cls
+    again = keras.saving.serialize_keras_object(obj)
+    assert again["registered_name"] == entry["registered_name"]
+    assert json.loads(json.dumps(again["config"])) == entry["config"]

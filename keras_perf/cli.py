@@ -239,14 +239,15 @@ def diagnose(args: argparse.Namespace) -> int:
     """Diagnose a saved model's training speed on synthetic inputs of its shape."""
     import json
 
-    import keras
-    import numpy as np
+    import keras  # noqa: F401  (importing Keras registers keras-perf's classes)
 
     import keras_perf as kp
 
     # Importing Keras above registered keras-perf's classes (keras_perf/__init__.py), so a
     # model using them (a QAT layer, a LossScaledModel, ...) loads.
-    model = keras.saving.load_model(args.model)
+    model = _load_for_diagnose(args.model)
+    if model is None:
+        return 2
     if not getattr(model, "compiled", False) or model.optimizer is None:
         print(
             f"keras-perf diagnose: {args.model} was saved without its compile settings; "
@@ -255,27 +256,7 @@ def diagnose(args: argparse.Namespace) -> int:
         )
         return 2
     batch = args.batch_size or 32
-    n = batch * args.steps
-    rng = np.random.default_rng(0)
-
-    def synthetic(tensor):
-        shape = (n, *[d or 1 for d in tuple(tensor.shape)[1:]])
-        dtype = str(getattr(tensor.dtype, "name", tensor.dtype))
-        if "int" in dtype:
-            return rng.integers(0, 2, shape).astype(dtype)
-        return rng.normal(size=shape).astype(dtype)
-
-    xs = [synthetic(t) for t in model.inputs]
-    x = xs[0] if len(xs) == 1 else xs
-    ys = []
-    for t in model.outputs:
-        shape = tuple(t.shape)[1:]
-        loss = str(getattr(model, "loss", "")).lower()
-        if "sparse" in loss and shape:
-            ys.append(rng.integers(0, int(shape[-1] or 1), (n, *shape[:-1])).astype("int32"))
-        else:
-            ys.append(rng.normal(size=(n, *[d or 1 for d in shape])).astype("float32"))
-    y = ys[0] if len(ys) == 1 else ys
+    x, y = synthetic_batch(model, batch * args.steps)
     d = kp.diagnose(model, x, y, batch_size=batch, steps=args.steps, max_seconds=args.max_seconds)
     if args.json:
         print(json.dumps(d.to_dict(), indent=2))
@@ -283,6 +264,68 @@ def diagnose(args: argparse.Namespace) -> int:
         print(d)
         print("note: synthetic inputs of the model's shape: the input share of real data differs.")
     return 0
+
+
+# A dimension the model leaves open (`keras.Input((None, None, 3))`) gets this size in the
+# synthetic inputs: large enough for the usual 3x3 and 5x5 kernels and a few poolings.
+OPEN_DIMENSION = 32
+
+
+def _load_for_diagnose(path: str):
+    """The model saved at `path`, or None after one line on stderr saying why it cannot be."""
+    import zipfile
+
+    import keras
+
+    if not os.path.isfile(path):
+        print(f"keras-perf diagnose: no such file: {path}", file=sys.stderr)
+        return None
+    if not zipfile.is_zipfile(path):
+        print(
+            f"keras-perf diagnose: {path} is not a saved Keras model (a .keras file is a zip "
+            "archive written by `model.save`).",
+            file=sys.stderr,
+        )
+        return None
+    try:
+        return keras.saving.load_model(path)
+    except Exception as exc:  # a user's file: report it, never a traceback
+        print(f"keras-perf diagnose: cannot load {path}: {exc}", file=sys.stderr)
+        return None
+
+
+def synthetic_batch(model, n: int, seed: int = 0):
+    """Synthetic inputs and targets of `model`'s shapes, `n` examples.
+
+    Open dimensions get `OPEN_DIMENSION`; the targets take the shapes of the model's outputs on
+    those inputs, so a model whose output size follows its input size gets matching targets.
+    """
+    import keras
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+
+    def synthetic(tensor):
+        shape = (n, *[d or OPEN_DIMENSION for d in tuple(tensor.shape)[1:]])
+        dtype = str(getattr(tensor.dtype, "name", tensor.dtype))
+        if "int" in dtype:
+            return rng.integers(0, 2, shape).astype(dtype)
+        return rng.normal(size=shape).astype(dtype)
+
+    xs = [synthetic(t) for t in model.inputs]
+    x = xs[0] if len(xs) == 1 else xs
+    first = keras.tree.map_structure(lambda a: a[:2], x)
+    outputs = keras.tree.flatten(model(first, training=False))
+    loss = str(getattr(model, "loss", "")).lower()
+    ys = []
+    for out in outputs:
+        shape = tuple(keras.ops.shape(out))[1:]
+        if "sparse" in loss and shape:
+            ys.append(rng.integers(0, int(shape[-1]), (n, *shape[:-1])).astype("int32"))
+        else:
+            ys.append(rng.normal(size=(n, *shape)).astype("float32"))
+    y = ys[0] if len(ys) == 1 else ys
+    return x, y
 
 
 def _positive_float(text: str) -> float:

@@ -652,3 +652,53 @@ def test_benchmarks_are_a_package_that_never_edits_sys_path():
         if "sys.path" in line
     ]
     assert not edits, edits
+
+
+@pytest.mark.parametrize("content", [None, b"not a zip archive"])
+def test_diagnose_command_says_in_one_line_why_a_file_cannot_be_loaded(tmp_path, capsys, content):
+    # A missing file and a file that is not a .keras archive: one line on stderr, exit 2, no
+    # traceback (Keras' own error for either is a traceback from inside its zip reader).
+    from keras_perf import cli
+
+    path = tmp_path / "model.keras"
+    if content is not None:
+        path.write_bytes(content)
+    assert cli.main(["diagnose", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert str(path) in err
+    assert ("no such file" if content is None else "not a saved Keras model") in err
+
+
+def test_diagnose_synthetic_inputs_fill_open_dimensions_for_a_convolution():
+    # `Input((None, None, 3))` with a valid 3x3 convolution: open dimensions used to become 1,
+    # which the convolution cannot take; they get OPEN_DIMENSION, and the targets the shape of
+    # the outputs on those inputs.
+    import keras
+    import numpy as np
+
+    from keras_perf import cli
+
+    inputs = keras.Input((None, None, 3))
+    h = keras.layers.Conv2D(4, 3, padding="valid")(inputs)
+    outputs = keras.layers.Conv2D(2, 3, padding="valid")(h)
+    model = keras.Model(inputs, outputs)
+    model.compile("sgd", "mse")
+    x, y = cli.synthetic_batch(model, 6)
+    assert x.shape == (6, cli.OPEN_DIMENSION, cli.OPEN_DIMENSION, 3)
+    assert y.shape == (6, cli.OPEN_DIMENSION - 4, cli.OPEN_DIMENSION - 4, 2)
+    history = model.fit(x, y, batch_size=3, epochs=1, verbose=0)
+    assert np.isfinite(history.history["loss"][0])
+
+
+def test_diagnose_synthetic_targets_are_class_ids_for_a_sparse_loss():
+    import keras
+    import numpy as np
+
+    from keras_perf import cli
+
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(7)])
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = cli.synthetic_batch(model, 10)
+    assert x.shape == (10, 5) and y.shape == (10,)
+    assert y.dtype == np.int32 and 0 <= y.min() and y.max() < 7

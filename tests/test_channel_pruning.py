@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import keras_perf as kp
-from keras_perf.channel_pruning import _select
+from keras_perf.channel_pruning import ChannelGraphError, _select
 from keras_perf.channel_pruning._graph import ChannelGraph
 
 L = keras.layers
@@ -411,6 +411,40 @@ def test_subclassed_model_is_a_clear_error():
         kp.shrink(model)
     with pytest.raises(ValueError, match="Functional or Sequential"):
         kp.channel_report(model)
+
+
+def test_graph_errors_are_channel_graph_errors_and_bad_arguments_are_not():
+    # What the walk cannot follow, and a model whose graph is hidden, raise the documented
+    # ChannelGraphError (a ValueError); a bad argument stays a plain ValueError.
+    assert issubclass(ChannelGraphError, ValueError)
+    assert kp.channel_pruning.ChannelGraphError is ChannelGraphError
+    with pytest.raises(ChannelGraphError, match="Lambda 'double'"):
+        pruned(lambda_model())
+    model = Subclassed()
+    model(np.zeros((1, 3), "float32"))
+    for fn in (kp.shrink, kp.channel_report):
+        with pytest.raises(ChannelGraphError, match="subclassed model hides its graph"):
+            fn(model)
+    with pytest.raises(ValueError, match="names no producer") as info:
+        pruned(dense_chain(), include=["nope"])
+    assert not isinstance(info.value, ChannelGraphError)
+
+
+def test_public_names_are_the_functions_and_classes():
+    # `keras_perf.channel_pruning.shrink` named both the function and the module `shrink.py`
+    # (`import keras_perf.channel_pruning.shrink` gave the module); the parts are private now.
+    import importlib
+
+    import keras_perf.channel_pruning as cp
+
+    for part in ("shrink", "callback", "report"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(f"keras_perf.channel_pruning.{part}")
+    assert cp.shrink is kp.shrink and cp.shrink.__name__ == "shrink"
+    assert cp.channel_report is kp.channel_report
+    assert cp.ChannelPruningCallback is kp.ChannelPruningCallback
+    name = keras.saving.get_registered_name(cp.ChannelPruningCallback)
+    assert name == "keras_perf>ChannelPruningCallback"
 
 
 def test_softmax_and_layer_norm_keep_their_group():

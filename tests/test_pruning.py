@@ -7,7 +7,10 @@ import numpy as np
 import pytest
 
 import keras_perf as kp
-from keras_perf.pruning import _magnitude_masks, _MaskConstraint, _select
+from keras_perf._layer_selection import check_selectors
+from keras_perf.pruning._constraint import _MaskConstraint
+from keras_perf.pruning._masks import _magnitude_masks
+from keras_perf.pruning._selection import _select
 from tests import models
 
 # --------------------------------------------------------------------------------------------
@@ -522,9 +525,7 @@ def test_what_is_prunable():
 )
 def test_include_exclude(include, exclude, expected):
     model = mlp()
-    targets = _select(
-        model, kp.pruning._check_selectors("i", include), kp.pruning._check_selectors("e", exclude)
-    )
+    targets = _select(model, check_selectors("i", include), check_selectors("e", exclude))
     assert {t.layer.name for t in targets} == expected
 
 
@@ -889,7 +890,7 @@ def test_polynomial_decay_bit_exact_with_tfmot_every_step(args):
     # latter, and `_polynomial_sparsity(..., in_graph=False)` reproduces the former.
     import tensorflow as tf
 
-    from keras_perf.pruning import _polynomial_sparsity
+    from keras_perf.pruning._polynomial import _polynomial_sparsity
 
     theirs = tfmot().sparsity.keras.PolynomialDecay(*args)
     ours = kp.PolynomialDecay(*args)

@@ -59,7 +59,16 @@ _MIXING_ACTIVATIONS = ("softmax", "log_softmax")
 
 
 class ChannelGraphError(ValueError):
-    """Internal: raised by the walk for a model it cannot take at all (e.g. subclassed)."""
+    """Channel pruning cannot follow the channels of this model's graph.
+
+    Raised by `kp.ChannelPruningCallback` (at the start of `fit`), `kp.shrink` and
+    `kp.channel_report` for a model whose graph is hidden (subclassed, or a Sequential model
+    without known inputs), and by the callback for a selected group that reaches what the walk
+    cannot follow (Lambda, custom layers, raw `keras.ops`, shared layers, concatenation off
+    the channel axis, grouped or channels-first convolutions). The message says the fix.
+    A `ValueError` subclass, so `except ValueError` catches it too; bad arguments (an unknown
+    `include` name, an uncompiled model) stay plain `ValueError`/`TypeError`.
+    """
 
 
 @dataclass
@@ -108,7 +117,7 @@ class ChannelGraph:
     def __init__(self, model):
         if not isinstance(model, keras.Model) or not _backend.is_functional(model):
             kind = type(model).__name__
-            raise ValueError(
+            raise ChannelGraphError(
                 f"Channel pruning needs a Functional or Sequential model with known inputs; got "
                 f"{kind} {getattr(model, 'name', '')!r}. A subclassed model hides its graph, so "
                 "which layers consume which channels cannot be known: build the model with the "

@@ -14,52 +14,28 @@
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 from keras import ops
 
-from keras_perf.channel_pruning._graph import ChannelGraph
+from keras_perf._layer_selection import matches_name
+from keras_perf.channel_pruning._graph import ChannelGraph, ChannelGraphError
 
 IMPORTANCE = ("l2", "l1")
-
-
-def check_names(name: str, value) -> tuple:
-    """Normalise include/exclude: None, or one or a list of layer names (or regexes)."""
-    if value is None:
-        return ()
-    items = tuple(value) if isinstance(value, (list, tuple, set)) else (value,)
-    for item in items:
-        if not isinstance(item, (str, re.Pattern)):
-            raise TypeError(
-                f"`{name}` items must be names of producer layers (str) or regular expressions; "
-                f"got {item!r}."
-            )
-    return items
-
-
-def _matches(item, name: str) -> bool:
-    if isinstance(item, re.Pattern):
-        return bool(item.search(name))
-    if item == name:
-        return True
-    try:
-        return re.fullmatch(item, name) is not None
-    except re.error:
-        return False
+#: What `include`/`exclude` items name, for their error message.
+NAMES = "names of producer layers"
 
 
 def resolve(graph: ChannelGraph, include=(), exclude=(), strict: bool = True) -> None:
     """Set each group's `selected`, `why` (why not pruned) and raise for what cannot be followed.
 
     Raises:
-        ValueError: an `include`/`exclude` item naming no producer layer, or a selected group
-            that reaches something the walk cannot follow.
+        ValueError: an `include`/`exclude` item naming no producer layer.
+        ChannelGraphError: a selected group that reaches something the walk cannot follow.
     """
     producers = [p.layer.name for g in graph.groups for p in g.producers]
     for arg, items in (("include", include), ("exclude", exclude)):
         for item in items:
-            if not any(_matches(item, n) for n in producers):
+            if not any(matches_name(item, n) for n in producers):
                 raise ValueError(
                     f"`{arg}` item {item!r} names no producer layer (Dense, Conv1D/2D/3D, "
                     f"SeparableConv) of model {graph.model.name!r}. Producers: {producers}."
@@ -67,9 +43,9 @@ def resolve(graph: ChannelGraph, include=(), exclude=(), strict: bool = True) ->
     blocked = []
     for g in graph.groups:
         g.selected, g.why = True, None
-        if include and not any(_matches(i, n) for i in include for n in g.names):
+        if include and not any(matches_name(i, n) for i in include for n in g.names):
             g.selected, g.why = False, "not in `include`"
-        excluded = [n for n in g.names if any(_matches(e, n) for e in exclude)]
+        excluded = [n for n in g.names if any(matches_name(e, n) for e in exclude)]
         if excluded:
             others = [n for n in g.names if n not in excluded]
             coupled = f"; it is coupled with {others}" if others else ""
@@ -81,7 +57,7 @@ def resolve(graph: ChannelGraph, include=(), exclude=(), strict: bool = True) ->
     if blocked and strict:
         names = [n for g in blocked for n in g.names]
         what = "; ".join(dict.fromkeys(e for g in blocked for e in g.errors))
-        raise ValueError(
+        raise ChannelGraphError(
             f"Channel pruning cannot follow the channels of {names} in model "
             f"{graph.model.name!r}: {what}. Pruning through it could give a wrong result. "
             f"Leave these layers unpruned with `exclude={names}`."

@@ -10,10 +10,11 @@ The parts:
 - `_tensorflow_process`: the PyTorch backend's conversion in a TensorFlow child process;
 - `_metadata`: the input order stored in a written file, and the report `export_tflite` returns;
 - `_predict`: `tflite_predict` and the matching of its inputs to the file's;
-- `_compression`: `compression_report`.
+- `_compression`: `compression_report`;
+- `_qat`: the int8 export of a quantization-aware model from its learned ranges (export
+  depends on `keras_perf.quantization`; quantization never imports export).
 
-Not here: the TFLite converter and interpreter calls (`keras_perf.backend.tflite`) and the
-export of a quantization-aware model (`keras_perf.quantization._export`).
+Not here: the TFLite converter and interpreter calls (`keras_perf.backend.tflite`).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 `_check_path` refuses a path TFLite's converter could not write; `_model_inputs`,
 `_input_count` and `_input_specs` read the model's input signature (`None` specs for a
 subclassed model, whose signature is read from the SavedModel on export). The quantization-
-aware export (`keras_perf.quantization._export`) uses them too. Not here: the checks of the
+aware export (`_qat`) uses them too. Not here: the checks of the
 calibration data (`_calibration`).
 """
 

@@ -15,7 +15,7 @@
 This module holds the function and its flow only. Not here: the path and model-input checks
 (`_checks`), the calibration data (`_calibration`), the child process (`_tensorflow_process`),
 the file's metadata and report (`_metadata`), the converter itself (`keras_perf.backend.tflite`),
-and a quantization-aware model's export (`keras_perf.quantization._export`).
+and a quantization-aware model's export (`_qat`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,9 @@ from keras_perf.backend import tflite as _tflite
 from keras_perf.export._calibration import _calibration, _check_calibration, _dataset
 from keras_perf.export._checks import _check_path, _input_count, _input_specs, _model_inputs
 from keras_perf.export._metadata import METADATA_NAME, _report
+from keras_perf.export._qat import export_quantized
 from keras_perf.export._tensorflow_process import _export_via_tensorflow_process
+from keras_perf.quantization import is_quantized_model
 
 QUANTIZATIONS = _tflite.QUANTIZATIONS
 
@@ -137,10 +139,8 @@ def export_tflite(
     check_bool("allow_select_tf_ops", allow_select_tf_ops)
     if isinstance(custom_modules, str) or not all(isinstance(m, str) for m in custom_modules):
         raise TypeError(f"`custom_modules` must be a list of module names, got {custom_modules!r}.")
-    from keras_perf import quantization as _quantization
-
-    if _quantization.is_quantized_model(model):  # Learned ranges: its own converter settings.
-        return _quantization.export_quantized(
+    if is_quantized_model(model):  # Learned ranges: its own converter settings.
+        return export_quantized(
             model,
             path,
             quantization,

@@ -17,20 +17,17 @@ Public names: `PolynomialDecay`, `ConstantSparsity`, `PruningSchedule`, `Pruning
 `sparsity_report`, `strip_pruning`, `prune_low_magnitude`.
 
 The parts: `_schedules` (when and how much; `_polynomial` has tfmot's float32 arithmetic),
-`_selection` (which weights), `_masks` (which entries of them), `_constraint` (how a mask is
-held on a weight), `_callback` (`PruningCallback`) and `_oneshot` (the functions).
+`_selection` (which weights; the `include`/`exclude` rules shared with quantization and channel
+pruning are `keras_perf._layer_selection`), `_masks` (which entries of them), `_constraint` (how
+a mask is held on a weight), `_base` (the schedule stepping shared with
+`ChannelPruningCallback`), `_callback` (`PruningCallback`) and `_oneshot` (the functions).
 """
 
 from __future__ import annotations
 
 from keras_perf.pruning._callback import PruningCallback
-from keras_perf.pruning._constraint import _MaskConstraint as _MaskConstraint
-from keras_perf.pruning._masks import _magnitude_masks as _magnitude_masks
 from keras_perf.pruning._oneshot import prune_low_magnitude, sparsity_report, strip_pruning
-from keras_perf.pruning._polynomial import _polynomial_sparsity as _polynomial_sparsity
 from keras_perf.pruning._schedules import ConstantSparsity, PolynomialDecay, PruningSchedule
-from keras_perf.pruning._selection import _check_selectors as _check_selectors
-from keras_perf.pruning._selection import _select as _select
 
 __all__ = [
     "ConstantSparsity",

@@ -7,30 +7,27 @@ import weakref
 import keras
 from keras import ops
 
-from keras_perf import backend as _backend
+from keras_perf._layer_selection import (
+    check_selectors,
+    deserialize_selectors,
+    serialize_selectors,
+)
 from keras_perf._tensorboard import ScalarWriter, require_writer
 from keras_perf._utils import check_choice, check_int, warn
+from keras_perf.pruning._base import _MaskingCallback
 from keras_perf.pruning._constraint import (
     _apply_masks,
     _guard_set_weights,
     _install,
     _mask_sparsity,
-    _refresh_train_step,
 )
 from keras_perf.pruning._masks import _check_m_by_n, _compute_masks
 from keras_perf.pruning._schedules import ConstantSparsity, PolynomialDecay, _as_schedule
-from keras_perf.pruning._selection import (
-    _check_selectors,
-    _deserialize_selectors,
-    _relative_path,
-    _select,
-    _serialize_selectors,
-    _Target,
-)
+from keras_perf.pruning._selection import _relative_path, _select, _Target
 
 
 @keras.saving.register_keras_serializable(package="keras_perf", name="PruningCallback")
-class PruningCallback(keras.callbacks.Callback):
+class PruningCallback(_MaskingCallback):
     """Magnitude pruning during `fit`, on the model as it is: no wrapping or recompiling.
 
     At the first epoch the callback finds the prunable weights (tfmot's defaults: kernels of
@@ -130,26 +127,20 @@ class PruningCallback(keras.callbacks.Callback):
                 "`m_by_n` prunes inside each block of every weight; it cannot be combined with "
                 '`scope="global"`. Pass `scope="layer"` (the default).'
             )
-        self.include = _check_selectors("include", include)
-        self.exclude = _check_selectors("exclude", exclude)
+        self.include = check_selectors("include", include)
+        self.exclude = check_selectors("exclude", exclude)
         self.verbose = check_int("verbose", verbose, minimum=0)
         if log_dir is not None and not isinstance(log_dir, str):
             raise TypeError(f"`log_dir` must be None or a directory path; got {log_dir!r}.")
         if log_dir is not None:
             require_writer("PruningCallback(log_dir=...)")  # TensorFlow, else tensorboardX
         self.log_dir = log_dir
-        # Only on_train_batch_begin is overridden, which Keras always calls in line; the batch
-        # end hooks stay asynchronous.
-        self.async_safe = True
         self.targets: list[_Target] = []
         self.history: list[dict] = []
         self.sparsity = 0.0
         self.thresholds: dict = {}
         self._targets_model = None
         self._ready = False
-        self._carried = False
-        self._step = 0
-        self._spe = 1
         self._pending_state: dict | None = None
         self._writer = None
         self._plan_checked = False
@@ -183,8 +174,8 @@ class PruningCallback(keras.callbacks.Callback):
             "schedule": keras.saving.serialize_keras_object(self.schedule),
             "scope": self.scope,
             "m_by_n": list(self.m_by_n) if self.m_by_n else None,
-            "include": _serialize_selectors(self.include),
-            "exclude": _serialize_selectors(self.exclude),
+            "include": serialize_selectors(self.include),
+            "exclude": serialize_selectors(self.exclude),
             "verbose": self.verbose,
             "log_dir": self.log_dir,
         }
@@ -193,8 +184,8 @@ class PruningCallback(keras.callbacks.Callback):
     def from_config(cls, config: dict):
         config = dict(config)
         config["schedule"] = keras.saving.deserialize_keras_object(config["schedule"])
-        config["include"] = _deserialize_selectors(config.get("include"))
-        config["exclude"] = _deserialize_selectors(config.get("exclude"))
+        config["include"] = deserialize_selectors(config.get("include"))
+        config["exclude"] = deserialize_selectors(config.get("exclude"))
         if config.get("m_by_n") is not None:
             config["m_by_n"] = tuple(config["m_by_n"])
         return cls(**config)
@@ -219,7 +210,7 @@ class PruningCallback(keras.callbacks.Callback):
             self.targets = _select(model, self.include, self.exclude)
             self._targets_model = model
         _guard_set_weights(model)
-        self._spe = int(getattr(model, "steps_per_execution", 1) or 1)
+        self._read_steps_per_execution(model)
         self.history = []
         self._ready = False
         self._plan_checked = False
@@ -246,7 +237,7 @@ class PruningCallback(keras.callbacks.Callback):
 
     def on_epoch_begin(self, epoch, logs=None):
         model = self.model  # on JAX this attaches the latest state to the variables
-        self._step = int(ops.convert_to_numpy(model.optimizer.iterations))
+        self._read_step(model)
         if not self._plan_checked:
             # At the first epoch: BackupAndRestore has restored the step and epoch by now.
             self._plan_checked = True
@@ -268,8 +259,8 @@ class PruningCallback(keras.callbacks.Callback):
         self._pending_state = None
         self.sparsity, per = _mask_sparsity(self.targets)
         # JAX: the masks join the optimizer state, so mask updates need no retrace.
-        self._carried = _backend.carry_in_step_state(model, [t.mask for t in self.targets])
-        _refresh_train_step(model, masks_changed=False, constraints_changed=changed)
+        self._carry_masks(model)
+        self._refresh_train_step(model, masks_changed=False, constraints_changed=changed)
         self._ready = True
 
     def _pruned_before(self) -> bool:
@@ -321,14 +312,7 @@ class PruningCallback(keras.callbacks.Callback):
             "to `begin_step` plus a multiple of `frequency`), or train for more steps."
         )
 
-    def on_train_batch_begin(self, batch, logs=None):
-        step = self._step
-        self._step += self._spe
-        due = None
-        for s in range(step, step + self._spe):
-            should, sparsity = self.schedule(s)
-            if should:
-                due = (s, sparsity)
+    def _on_step(self, due) -> None:
         if not self._ready:
             # TensorFlow builds an unbuilt model inside its first train step: no weights to
             # prune before it. A prune step due then runs as soon as the weights exist.
@@ -338,8 +322,7 @@ class PruningCallback(keras.callbacks.Callback):
             self._setup(self.model, pruned_before=False)
             due = due or self._missed
             self._missed = None
-        if due is not None:
-            self._update(*due)
+        super()._on_step(due)
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None:
@@ -355,9 +338,10 @@ class PruningCallback(keras.callbacks.Callback):
         if self._ready:
             model = self.model  # on JAX this attaches the latest state to the variables
             _apply_masks(self.targets)
-            if self._carried:
-                _backend.release_step_state(model, [t.mask for t in self.targets])
-                self._carried = False
+            self._release_masks(model)
+
+    def _mask_variables(self) -> list:
+        return [t.mask for t in self.targets]
 
     # -- mask update --------------------------------------------------------------------------
     def _update(self, step: int, target_sparsity: float) -> None:
@@ -372,9 +356,7 @@ class PruningCallback(keras.callbacks.Callback):
         self.history.append(
             {"step": step, "target_sparsity": target_sparsity, "sparsity": self.sparsity}
         )
-        _refresh_train_step(
-            model, masks_changed=True, constraints_changed=False, masks_carried=self._carried
-        )
+        self._refresh_train_step(model, masks_changed=True, constraints_changed=False)
         if self.verbose:
             print(
                 f"PruningCallback: step {step}: target sparsity {target_sparsity:.4f}, "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 from keras import ops
 
+from keras_perf._layer_selection import check_selectors
 from keras_perf._utils import check_choice
 from keras_perf.pruning._constraint import (
     _apply_masks,
@@ -17,7 +18,7 @@ from keras_perf.pruning._constraint import (
 )
 from keras_perf.pruning._masks import _check_m_by_n, _compute_masks
 from keras_perf.pruning._schedules import _check_sparsity
-from keras_perf.pruning._selection import _check_selectors, _select
+from keras_perf.pruning._selection import _select
 
 
 def sparsity_report(model, include=None, exclude=None) -> dict:
@@ -44,7 +45,7 @@ def sparsity_report(model, include=None, exclude=None) -> dict:
     0.5
     """
     targets = _select(
-        model, _check_selectors("include", include), _check_selectors("exclude", exclude)
+        model, check_selectors("include", include), check_selectors("exclude", exclude)
     )
     rows, size, nonzero = [], 0, 0
     for t in targets:
@@ -140,7 +141,7 @@ def prune_low_magnitude(
     scope = check_choice("scope", scope, ("layer", "global"))
     m_by_n = _check_m_by_n(m_by_n)
     targets = _select(
-        model, _check_selectors("include", include), _check_selectors("exclude", exclude)
+        model, check_selectors("include", include), check_selectors("exclude", exclude)
     )
     changed = _install(targets)
     _guard_set_weights(model)

@@ -1,12 +1,15 @@
-"""Which weights are pruned: the prunable kinds, and `include`/`exclude` selection."""
+"""Which weights are pruned: the prunable kinds, and what `include`/`exclude` select of them.
+
+The selector rules themselves (names, regexes, classes) are `keras_perf._layer_selection`.
+"""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 import keras
 
+from keras_perf._layer_selection import matches_layer, matches_path
 from keras_perf._utils import iter_layers
 
 # Layer class -> (weight names, axis along which an m-by-n block runs: the input dimension).
@@ -85,48 +88,6 @@ def _all_prunable(model) -> list[_Target]:
     return targets
 
 
-def _check_selectors(name: str, value) -> tuple:
-    """Normalise include/exclude: None, or one or a list of names, regexes, classes."""
-    if value is None:
-        return ()
-    items = tuple(value) if isinstance(value, (list, tuple, set)) else (value,)
-    for item in items:
-        if isinstance(item, str):
-            continue
-        if isinstance(item, re.Pattern):
-            continue
-        if isinstance(item, type) and issubclass(item, keras.layers.Layer):
-            continue
-        raise TypeError(
-            f"`{name}` items must be layer names, regular expressions (str or re.Pattern) or "
-            f"keras.layers.Layer subclasses; got {item!r}."
-        )
-    return items
-
-
-def _matches_layer(item, layer) -> bool:
-    if isinstance(item, type):
-        return isinstance(layer, item)
-    if isinstance(item, re.Pattern):
-        return bool(item.search(layer.name))
-    return item == layer.name or _fullmatch(item, layer.name)
-
-
-def _matches_path(item, path: str) -> bool:
-    if isinstance(item, type):
-        return False
-    if isinstance(item, re.Pattern):
-        return bool(item.search(path))
-    return item == path or _fullmatch(item, path)
-
-
-def _fullmatch(pattern: str, text: str) -> bool:
-    try:
-        return re.fullmatch(pattern, text) is not None
-    except re.error:  # not a valid regex: compared as a plain name only
-        return False
-
-
 def _describe(targets) -> str:
     return ", ".join(f"{t.layer.name} ({type(t.layer).__name__}: {t.path})" for t in targets)
 
@@ -147,12 +108,12 @@ def _select(model, include=(), exclude=()) -> list[_Target]:
         """ids of the target variables selected by `item` (matching layer or an ancestor)."""
         ids = set()
         for layer in layers:
-            if _matches_layer(item, layer):
+            if matches_layer(item, layer):
                 for sub in [layer, *iter_layers(layer)]:
                     ids.update(id(t.variable) for t in _prunable_in(sub))
             else:
                 ids.update(
-                    id(t.variable) for t in _prunable_in(layer) if _matches_path(item, t.path)
+                    id(t.variable) for t in _prunable_in(layer) if matches_path(item, t.path)
                 )
         return ids & {id(t.variable) for t in targets}
 
@@ -188,39 +149,3 @@ def _relative_path(model, target) -> str:
     prefix = f"{model.name}/"
     path = target.path
     return path[len(prefix) :] if model is not None and path.startswith(prefix) else path
-
-
-def _serialize_selectors(items) -> list | None:
-    if not items:
-        return None
-    out = []
-    for item in items:
-        if isinstance(item, str):
-            out.append(item)
-        elif isinstance(item, re.Pattern):
-            out.append({"regex": item.pattern})
-        else:
-            out.append({"class_name": item.__name__, "registered_name": None})
-            name = keras.saving.get_registered_name(item)
-            out[-1]["registered_name"] = name
-    return out
-
-
-def _deserialize_selectors(items):
-    if items is None:
-        return None
-    out = []
-    for item in items:
-        if isinstance(item, dict) and "regex" in item:
-            out.append(re.compile(item["regex"]))
-        elif isinstance(item, dict):
-            cls = keras.saving.get_registered_object(item.get("registered_name"))
-            cls = cls or getattr(keras.layers, item["class_name"], None)
-            if cls is None:
-                raise ValueError(
-                    f"Unknown layer class {item['class_name']!r} in `include`/`exclude`."
-                )
-            out.append(cls)
-        else:
-            out.append(item)
-    return out

@@ -4,10 +4,13 @@
 - `_layers`: Dense/EinsumDense/Conv/DepthwiseConv subclasses with fake-quantized kernels.
 - `_wrap`: `quantize_aware`, the clone that places the quantizers.
 - `_report`: `quantization_report`.
-- `_export`: the TFLite int8 export from learned ranges (`export_tflite` routes here).
+- `_model`: `is_quantized_model`, and `constant_kernels` for an exporter's trace.
+
+Not here: the TFLite int8 export from learned ranges (`keras_perf.export._qat`, where
+`export_tflite` routes a quantization-aware model). Export depends on quantization; this
+package never imports `keras_perf.export`.
 """
 
-from keras_perf.quantization._export import export_quantized, is_quantized_model
 from keras_perf.quantization._layers import (
     QuantizedConv1D,
     QuantizedConv2D,
@@ -16,6 +19,7 @@ from keras_perf.quantization._layers import (
     QuantizedDepthwiseConv2D,
     QuantizedEinsumDense,
 )
+from keras_perf.quantization._model import is_quantized_model
 from keras_perf.quantization._quantizers import ActivationQuantizer
 from keras_perf.quantization._report import quantization_report
 from keras_perf.quantization._wrap import quantize_aware
@@ -28,7 +32,6 @@ __all__ = [
     "QuantizedDense",
     "QuantizedDepthwiseConv2D",
     "QuantizedEinsumDense",
-    "export_quantized",
     "is_quantized_model",
     "quantization_report",
     "quantize_aware",

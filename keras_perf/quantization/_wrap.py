@@ -13,8 +13,8 @@ from __future__ import annotations
 import keras
 import numpy as np
 
+from keras_perf._layer_selection import check_selectors, matches_layer
 from keras_perf._utils import check_bool
-from keras_perf.pruning._selection import _check_selectors, _matches_layer  # shared selector rules
 from keras_perf.quantization._layers import QUANTIZED_CLASSES, QuantizedKernelMixin
 from keras_perf.quantization._quantizers import (
     ACTIVATION_BITS,
@@ -120,8 +120,8 @@ def quantize_aware(
     check_bool("preserve_sparsity", preserve_sparsity)
     if not 0.0 <= float(ema_decay) < 1.0:
         raise ValueError(f"`ema_decay` must be in [0, 1); got {ema_decay!r}.")
-    include = _check_selectors("include", include)
-    exclude = _check_selectors("exclude", exclude)
+    include = check_selectors("include", include)
+    exclude = check_selectors("exclude", exclude)
     _check_graph(model, "model")
     if not model.built or not model.inputs:
         raise ValueError(
@@ -136,7 +136,7 @@ def quantize_aware(
             f"{', '.join(names)} layers, and this model has none."
         )
     for item in include:
-        if not any(_matches_layer(item, layer) for layer in candidates):
+        if not any(matches_layer(item, layer) for layer in candidates):
             raise ValueError(
                 f"`include` item {item!r} matches no quantizable layer; the model's are: "
                 f"{', '.join(layer.name for layer in candidates)}."
@@ -144,8 +144,8 @@ def quantize_aware(
     selected = {
         id(layer)
         for layer in candidates
-        if (not include or any(_matches_layer(i, layer) for i in include))
-        and not any(_matches_layer(i, layer) for i in exclude)
+        if (not include or any(matches_layer(i, layer) for i in include))
+        and not any(matches_layer(i, layer) for i in exclude)
     }
     if not selected:
         raise ValueError(

@@ -43,7 +43,7 @@ def shrink(model):
         A new `keras.Model` of the same kind. The original model is not changed.
 
     Raises:
-        ValueError: a subclassed (or not yet built) model.
+        ChannelGraphError: (a `ValueError`) a subclassed (or not yet built) model.
 
     Example:
 

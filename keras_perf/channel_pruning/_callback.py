@@ -6,12 +6,13 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_perf import backend as _backend
+from keras_perf._layer_selection import check_selectors
 from keras_perf._utils import check_choice, check_int
 from keras_perf.channel_pruning import _select
 from keras_perf.channel_pruning._graph import ChannelGraph
-from keras_perf.pruning import PruningSchedule
+from keras_perf.pruning._base import _MaskingCallback
 from keras_perf.pruning._constraint import _MaskConstraint
+from keras_perf.pruning._schedules import PruningSchedule
 
 
 class _ChannelMask(_MaskConstraint):
@@ -31,7 +32,7 @@ def _mask_array(graph, w, removed) -> np.ndarray:
 
 
 @keras.saving.register_keras_serializable(package="keras_perf")
-class ChannelPruningCallback(keras.callbacks.Callback):
+class ChannelPruningCallback(_MaskingCallback):
     """Structured pruning: remove whole output channels, following a pruning schedule.
 
     At the start of `fit` the Functional (or Sequential) graph is walked to find which layers
@@ -67,9 +68,11 @@ class ChannelPruningCallback(keras.callbacks.Callback):
 
     Raises:
         TypeError: a schedule that is not a `kp.PruningSchedule`, bad include/exclude items.
-        ValueError: bad `importance` or `scope`; at the start of `fit`: an uncompiled or
-            subclassed model, an include/exclude name that is no producer, or a group reaching
-            what the walk cannot follow (the message names it and the `exclude` to pass).
+        ValueError: bad `importance` or `scope`; at the start of `fit`: an uncompiled model,
+            an include/exclude name that is no producer.
+        ChannelGraphError: (a `ValueError`) at the start of `fit`: a subclassed model, or a
+            group reaching what the walk cannot follow (the message names it and the
+            `exclude` to pass).
 
     Example:
 
@@ -100,19 +103,14 @@ class ChannelPruningCallback(keras.callbacks.Callback):
         self.schedule = schedule
         self.importance = check_choice("importance", importance, _select.IMPORTANCE)
         self.scope = check_choice("scope", scope, ("layer", "global"))
-        self.include = _select.check_names("include", include)
-        self.exclude = _select.check_names("exclude", exclude)
+        self.include = check_selectors("include", include, classes=False, what=_select.NAMES)
+        self.exclude = check_selectors("exclude", exclude, classes=False, what=_select.NAMES)
         self.verbose = check_int("verbose", verbose, minimum=0)
-        # Only on_train_batch_begin is overridden, which Keras always calls in line.
-        self.async_safe = True
         self.graph: ChannelGraph | None = None
         self.removed: set = set()
         self.sparsity = 0.0
         self.history: list[dict] = []
         self._masks: list = []  # (WeightAxes, mask variable)
-        self._carried = False
-        self._step = 0
-        self._spe = 1
 
     def get_config(self) -> dict:
         return {
@@ -143,8 +141,8 @@ class ChannelPruningCallback(keras.callbacks.Callback):
         # Resuming (or a second fit): channels already all-zero stay masked.
         self.removed = _select.zero_channels(self.graph, selected)
         self._install(model, selected)
-        self._step = int(ops.convert_to_numpy(model.optimizer.iterations))
-        self._spe = int(getattr(model, "steps_per_execution", 1) or 1)
+        self._read_step(model)
+        self._read_steps_per_execution(model)
         self.history = []
         self._update_sparsity()
 
@@ -176,20 +174,8 @@ class ChannelPruningCallback(keras.callbacks.Callback):
                     v.constraint = _ChannelMask(mask, current)
                     changed = True
                 self._masks.append((w, mask))
-        self._carried = _backend.carry_in_step_state(model, [m for _, m in self._masks])
-        if changed and getattr(model, "train_function", None) is not None:
-            model.make_train_function(force=True)
-
-    def on_train_batch_begin(self, batch, logs=None):
-        step = self._step
-        self._step += self._spe
-        due = None
-        for s in range(step, step + self._spe):
-            should, sparsity = self.schedule(s)
-            if should:
-                due = (s, sparsity)
-        if due is not None:
-            self._update(*due)
+        self._carry_masks(model)
+        self._refresh_train_step(model, masks_changed=False, constraints_changed=changed)
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None:
@@ -200,9 +186,10 @@ class ChannelPruningCallback(keras.callbacks.Callback):
             return
         model = self.model
         self._apply()  # weight EMA may have overwritten the weights after the last step
-        if self._carried:
-            _backend.release_step_state(model, [m for _, m in self._masks])
-            self._carried = False
+        self._release_masks(model)
+
+    def _mask_variables(self) -> list:
+        return [m for _, m in self._masks]
 
     # -- masks --------------------------------------------------------------------------------
     def _apply(self) -> None:
@@ -219,9 +206,7 @@ class ChannelPruningCallback(keras.callbacks.Callback):
         self._update_sparsity()
         self.history.append({"step": step, "target_sparsity": sparsity,
                              "sparsity": self.sparsity})  # fmt: skip
-        if not self._carried and not _backend.STEP_READS_EXTERNAL_VARIABLES:
-            if getattr(model, "train_function", None) is not None:
-                model.make_train_function(force=True)
+        self._refresh_train_step(model, masks_changed=True, constraints_changed=False)
         if self.verbose:
             print(
                 f"ChannelPruningCallback: step {step}: target sparsity {sparsity:.4f}, "

@@ -8,52 +8,32 @@ finds the same integers), and each activation quantizer is TensorFlow's
 runs with `optimizations=[DEFAULT]` and no representative dataset (asking for the INT8 op set
 alone raises without one). On JAX and PyTorch the model goes through a `.keras` file to a
 child process running Keras on TensorFlow, as `export_tflite` does for PyTorch.
+
+`export_tflite` (`_convert`) routes a model for which `kp.is_quantized_model` holds here. What
+this module needs of the quantization side is `keras_perf.quantization._model`
+(`constant_kernels`); export depends on quantization, never the reverse.
 """
 
 from __future__ import annotations
 
-import contextlib
+import json
 import tempfile
 
 import keras
 
 from keras_perf._utils import iter_layers
-from keras_perf.quantization._layers import EXPORT_KERNELS, QuantizedKernelMixin
-from keras_perf.quantization._quantizers import ActivationQuantizer, fake_quant_kernel
-
-
-def is_quantized_model(model) -> bool:
-    """Whether `model` (or a model nested in it) was made by `kp.quantize_aware`."""
-    return any(
-        isinstance(layer, (ActivationQuantizer, QuantizedKernelMixin))
-        for layer in iter_layers(model)
-    )
-
-
-@contextlib.contextmanager
-def constant_kernels(model):
-    """While tracing for export, quantized layers use their fake-quantized kernels as
-    constants (computed eagerly here)."""
-    layers = [x for x in iter_layers(model) if isinstance(x, QuantizedKernelMixin)]
-    for layer in layers:
-        k = fake_quant_kernel(layer.masked_kernel(), layer.weight_bits, layer.channel_axes())
-        EXPORT_KERNELS[id(layer)] = keras.ops.convert_to_numpy(k)
-    try:
-        yield
-    finally:
-        for layer in layers:
-            EXPORT_KERNELS.pop(id(layer), None)
+from keras_perf.backend import tflite as _tflite
+from keras_perf.export._checks import _check_path, _input_specs
+from keras_perf.export._metadata import METADATA_NAME, _report
+from keras_perf.export._tensorflow_process import _export_via_tensorflow_process
+from keras_perf.quantization import ActivationQuantizer
+from keras_perf.quantization._model import constant_kernels
 
 
 def export_quantized(
     model, path, quantization, representative_data, int8_io, allow_select_tf_ops, custom_modules
 ) -> dict:
     """`export_tflite` for a QAT model (arguments already type-checked by the caller)."""
-    from keras_perf.backend import tflite as _tflite
-    from keras_perf.export._checks import _check_path, _input_specs
-    from keras_perf.export._metadata import METADATA_NAME, _report
-    from keras_perf.export._tensorflow_process import _export_via_tensorflow_process
-
     if quantization != "int8":
         raise ValueError(
             "A quantization-aware model is exported with quantization='int8' (its learned "
@@ -97,8 +77,6 @@ def export_quantized(
             "was written: " + "; ".join(problems) + ". Every op needs a learned range: train "
             "the model (fit) before exporting, and quantize layers TFLite has int8 kernels for."
         )
-    import json
-
     order = [name for name, _, _ in specs]
     keys = [d["key"] for d in _tflite.describe(content)[0]]
     if sorted(order) == sorted(k for k in keys if k is not None):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 
+from keras_perf._layer_selection import check_selectors
 from keras_perf.channel_pruning import _select
 from keras_perf.channel_pruning._graph import _CONV, _DEPTHWISE, _SEPARABLE, ChannelGraph
 
@@ -71,7 +72,7 @@ def channel_report(model, include=None, exclude=None) -> dict:
         MACs and FLOPs.
 
     Raises:
-        ValueError: a subclassed (or not yet built) model.
+        ChannelGraphError: (a `ValueError`) a subclassed (or not yet built) model.
 
     Example:
 
@@ -82,8 +83,8 @@ def channel_report(model, include=None, exclude=None) -> dict:
     graph = ChannelGraph(model)
     _select.resolve(
         graph,
-        _select.check_names("include", include),
-        _select.check_names("exclude", exclude),
+        check_selectors("include", include, classes=False, what=_select.NAMES),
+        check_selectors("exclude", exclude, classes=False, what=_select.NAMES),
         strict=False,
     )
     removed = _select.zero_channels(graph, [g for g in graph.groups if g.selected])

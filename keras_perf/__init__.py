@@ -23,6 +23,8 @@ else:
     from keras_perf.diagnosis import Diagnosis, diagnose
     from keras_perf.distillation import DistillationModel, precompute_teacher_logits
     from keras_perf.export import compression_report, export_tflite, tflite_predict
+    from keras_perf.export._onnx import export_onnx
+    from keras_perf.export._onnx_predict import onnx_predict
     from keras_perf.flops import estimate_flops_per_example, peak_flops_for_device
     from keras_perf.mixed_precision import check_mixed_precision, setup_mixed_precision
     from keras_perf.monitor import TrainingMonitor
@@ -68,11 +70,13 @@ __all__ = [
     "device_report",
     "diagnose",
     "estimate_flops_per_example",
+    "export_onnx",
     "export_tflite",
     "find_max_microbatch",
     "fit_with_oom_retry",
     "is_quantized_model",
     "loss_scaled",
+    "onnx_predict",
     "peak_flops_for_device",
     "precompute_teacher_logits",
     "prune_low_magnitude",

@@ -11,6 +11,8 @@ The parts:
 - `_metadata`: the input order stored in a written file, and the report `export_tflite` returns;
 - `_predict`: `tflite_predict` and the matching of its inputs to the file's;
 - `_compression`: `compression_report`.
+- `_onnx`, `_onnx_predict`: `export_onnx` and `onnx_predict` (ONNX Runtime, `keras_perf.backend.onnx`);
+  `_onnx_qat`: a quantization-aware model's learned ranges in the ONNX file.
 
 Not here: the TFLite converter and interpreter calls (`keras_perf.backend.tflite`) and the
 export of a quantization-aware model (`keras_perf.quantization._export`).
@@ -20,9 +22,17 @@ from __future__ import annotations
 
 from keras_perf.export._compression import compression_report
 from keras_perf.export._convert import export_tflite
+from keras_perf.export._onnx import export_onnx
+from keras_perf.export._onnx_predict import onnx_predict
 from keras_perf.export._predict import tflite_predict
 
-__all__ = ["compression_report", "export_tflite", "tflite_predict"]
+__all__ = [
+    "compression_report",
+    "export_onnx",
+    "export_tflite",
+    "onnx_predict",
+    "tflite_predict",
+]
 
 # `doctest.testmod(keras_perf.export)` runs the examples of the public names' docstrings,
 # which live in the parts.

@@ -23,6 +23,7 @@ else:
     from keras_perf.diagnosis import Diagnosis, diagnose
     from keras_perf.distillation import DistillationModel, precompute_teacher_logits
     from keras_perf.export import compression_report, export_tflite, tflite_predict
+    from keras_perf.export._inference_report import InferenceReport, inference_report
     from keras_perf.export._onnx import export_onnx
     from keras_perf.export._onnx_predict import onnx_predict
     from keras_perf.flops import estimate_flops_per_example, peak_flops_for_device
@@ -54,6 +55,7 @@ __all__ = [
     "Diagnosis",
     "DistillationModel",
     "EarlyStopping",
+    "InferenceReport",
     "KerasPerfWarning",
     "LossScaleTrainStep",
     "LossScaledModel",
@@ -74,6 +76,7 @@ __all__ = [
     "export_tflite",
     "find_max_microbatch",
     "fit_with_oom_retry",
+    "inference_report",
     "is_quantized_model",
     "loss_scaled",
     "onnx_predict",

@@ -12,7 +12,8 @@ The parts:
 - `_predict`: `tflite_predict` and the matching of its inputs to the file's;
 - `_compression`: `compression_report`.
 - `_onnx`, `_onnx_predict`: `export_onnx` and `onnx_predict` (ONNX Runtime, `keras_perf.backend.onnx`);
-  `_onnx_qat`: a quantization-aware model's learned ranges in the ONNX file.
+  `_onnx_qat`: a quantization-aware model's learned ranges in the ONNX file;
+- `_inference_report`: `inference_report`, every format timed side by side.
 
 Not here: the TFLite converter and interpreter calls (`keras_perf.backend.tflite`) and the
 export of a quantization-aware model (`keras_perf.quantization._export`).
@@ -22,14 +23,17 @@ from __future__ import annotations
 
 from keras_perf.export._compression import compression_report
 from keras_perf.export._convert import export_tflite
+from keras_perf.export._inference_report import InferenceReport, inference_report
 from keras_perf.export._onnx import export_onnx
 from keras_perf.export._onnx_predict import onnx_predict
 from keras_perf.export._predict import tflite_predict
 
 __all__ = [
+    "InferenceReport",
     "compression_report",
     "export_onnx",
     "export_tflite",
+    "inference_report",
     "onnx_predict",
     "tflite_predict",
 ]

@@ -68,13 +68,37 @@ def quiet_logs():
 
 def export_float(model, path: str) -> None:
     """Keras' own ONNX export of `model` to `path`, made loadable by ONNX Runtime."""
+    import keras
     import onnx
 
-    with quiet_logs():
-        model.export(str(path), format="onnx", verbose=False)
+    exporter = EXPORTERS.get(keras.backend.backend(), "Keras")
+    try:
+        with quiet_logs():
+            model.export(str(path), format="onnx", verbose=False)
+    except ImportError:
+        raise
+    except Exception as e:
+        raise ValueError(
+            f"Keras' ONNX export ({exporter}) cannot convert this model: {type(e).__name__}: "
+            f"{_first_line(e)}. Replace the layer or op it names, or export on another Keras "
+            "backend."
+        ) from e
     proto = onnx.load(str(path))
     if _rewrite_pooling(proto):
         onnx.save(proto, str(path))
+    try:
+        session(str(path))
+    except Exception as e:  # tf2onnx writes an op it cannot convert as it is.
+        raise ValueError(
+            f"Keras' ONNX export ({exporter}) wrote a graph ONNX Runtime cannot load: "
+            f"{_first_line(e)}. Replace the layer or op it names, or export on another Keras "
+            "backend."
+        ) from e
+
+
+def _first_line(e: Exception) -> str:
+    lines = [line for line in str(e).strip().splitlines() if line.strip()]
+    return lines[0][:300] if lines else ""
 
 
 def _const(proto, name):

@@ -161,12 +161,12 @@ def _probe(qat, copy, n: int = 8) -> list[np.ndarray]:
 
 
 def _matches(a: np.ndarray, v: np.ndarray) -> bool:
-    if a.shape != v.shape:
-        if a.ndim == v.ndim >= 3 and a.shape == (v.shape[0], v.shape[-1], *v.shape[1:-1]):
-            v = np.moveaxis(v, -1, 1)  # The graph runs channels-first there.
-        else:
-            return False
-    return bool(np.allclose(a, v, rtol=1e-3, atol=1e-4 * max(1.0, float(np.abs(v).max()))))
+    """Whether graph tensor `a` holds Keras tensor `v`'s values, channels-last or -first."""
+    candidates = [v]
+    if v.ndim >= 3:
+        candidates.append(np.moveaxis(v, -1, 1))  # The graph runs channels-first there.
+    tol = 1e-4 * max(1.0, float(np.abs(v).max()))
+    return any(a.shape == c.shape and np.allclose(a, c, rtol=1e-3, atol=tol) for c in candidates)
 
 
 def learned_ranges(qat, copy, prepared: str) -> dict[str, tuple[float, float]]:

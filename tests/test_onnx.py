@@ -280,3 +280,36 @@ def test_inference_report(trained, data, tmp_path):
         kp.inference_report(trained, xv, formats=["onnx-int4"])
     with pytest.raises(ValueError, match="batch_sizes"):
         kp.inference_report(trained, xv, batch_sizes=(0,))
+
+
+def test_qat_sequential_with_softmax(tmp_path):
+    # The softmax is split from its Dense by a quantizer (`quantize_aware`); ORT fixes a
+    # softmax output's range to [0, 1], the learned one is close to it.
+    keras.utils.set_random_seed(2)
+    model = keras.Sequential(
+        [
+            keras.Input((16,)),
+            keras.layers.Dense(32, activation="relu"),
+            keras.layers.Dense(8, activation="softmax"),
+        ]
+    )
+    x = np.random.rand(256, 16).astype("float32")
+    qat = kp.quantize_aware(model)
+    qat(x, training=True)
+    report = kp.export_onnx(qat, tmp_path / "seq.onnx", "int8")
+    diff = np.abs(kp.onnx_predict(report["path"], x) - qat.predict(x, verbose=0))
+    assert diff.max() <= 2 / 255
+    with pytest.raises(ValueError, match="8-bit activations"):
+        kp.export_onnx(kp.quantize_aware(model, activation_bits=16), tmp_path / "a.onnx", "int8")
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TFLite on JAX/torch: a TF child process")
+def test_inference_report_with_tflite(trained, data):
+    _, (xv, yv) = data
+    r = kp.inference_report(
+        trained, xv[:32], yv[:32], batch_sizes=(4,), formats=["tflite", "tflite-int8"], repeats=2
+    )
+    by = {row["format"]: row for row in r.rows}
+    assert by["tflite"]["agreement"] == 1.0
+    assert by["tflite-int8"]["agreement"] >= 0.9
+    assert by["tflite-int8"]["bytes"] < by["tflite"]["bytes"]

@@ -106,7 +106,7 @@ def feeds(sess, x) -> dict[str, np.ndarray]:
             dims = ", ".join(str(d) if isinstance(d, int) else "None" for d in shape[1:])
             raise ValueError(f"`x` for {label}: expected shape (examples, {dims}), got {a.shape}.")
         dtype = {"tensor(float)": "float32", "tensor(float16)": "float16"}.get(spec.type)
-        dtype = dtype or spec.type[len("tensor(") : -1].replace("int64", "int64")
+        dtype = dtype or spec.type[len("tensor(") : -1]  # int64, double, bool...
         with np.errstate(over="ignore", invalid="ignore"):
             out[spec.name] = a.astype(dtype, copy=False)
     counts = {len(a) for a in out.values()}

@@ -313,3 +313,13 @@ def test_inference_report_with_tflite(trained, data):
     assert by["tflite"]["agreement"] == 1.0
     assert by["tflite-int8"]["agreement"] >= 0.9
     assert by["tflite-int8"]["bytes"] < by["tflite"]["bytes"]
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    for fn in (kp.export_onnx, kp.onnx_predict, kp.inference_report):
+        for test in doctest.DocTestFinder().find(fn, globs={}):
+            runner.run(test)
+    assert runner.tries >= 10 and runner.failures == 0

@@ -59,6 +59,9 @@ def quiet_logs():
             # torch.onnx's tracer on Keras' shape arithmetic ("Converting a tensor to a Python
             # integer..."): Keras' shapes are static here, the trace is right.
             warnings.filterwarnings("ignore", message="Converting a tensor to a Python")
+            # torch.onnx's notice that Keras' call (the TorchScript exporter) will go.
+            warnings.filterwarnings("ignore", category=DeprecationWarning, module=r"torch\.onnx")
+            warnings.filterwarnings("ignore", message="You are using the legacy TorchScript")
             yield
     finally:
         ort.set_default_logger_severity(2)

@@ -67,6 +67,12 @@ def float_copy(qat) -> keras.Model:
             f"have {bits} bits. Make it with `quantize_aware(..., activation_bits=8)`."
         )
 
+    untrained = [q.name for q in _quantizers(qat) if float(q.initialized.numpy()) == 0.0]
+    if untrained:
+        raise ValueError(
+            f"The activation quantizers {untrained[:3]} have never seen a training batch, so "
+            "their ranges are the initial (-6, 6): train the model (fit) before exporting."
+        )
     folds = _batch_norm_folds(qat)  # BatchNormalization name -> kernel layer
     folded = {id(k) for k in folds.values()}
 
@@ -175,12 +181,6 @@ def learned_ranges(qat, copy, prepared: str) -> dict[str, tuple[float, float]]:
 
     quantizers = _quantizers(qat)
     ranges = {q.name: (float(q.min.numpy()), float(q.max.numpy())) for q in quantizers}
-    untrained = [q.name for q in quantizers if float(q.initialized.numpy()) == 0.0]
-    if untrained:
-        raise ValueError(
-            f"The activation quantizers {untrained[:3]} have never seen a training batch, so "
-            "their ranges are the initial (-6, 6): train the model (fit) before exporting."
-        )
     x = _probe(qat, copy)
     probe = keras.Model(copy.inputs, [copy.get_layer(q.name).output for q in quantizers])
     values = [keras.ops.convert_to_numpy(v) for v in probe(x, training=False)]

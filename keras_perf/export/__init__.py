@@ -11,8 +11,12 @@ The parts:
 - `_metadata`: the input order stored in a written file, and the report `export_tflite` returns;
 - `_predict`: `tflite_predict` and the matching of its inputs to the file's;
 - `_compression`: `compression_report`;
-- `_qat`: the int8 export of a quantization-aware model from its learned ranges (export
-  depends on `keras_perf.quantization`; quantization never imports export).
+- `_qat`: the int8 TFLite export of a quantization-aware model from its learned ranges (export
+  depends on `keras_perf.quantization`; quantization never imports export);
+- `_onnx`, `_onnx_predict`: `export_onnx` and `onnx_predict` (ONNX Runtime,
+  `keras_perf.backend.onnx`); `_onnx_qat`: a quantization-aware model's learned ranges in the
+  ONNX file;
+- `_inference_report`: `inference_report`, every format timed side by side.
 
 Not here: the TFLite converter and interpreter calls (`keras_perf.backend.tflite`).
 """
@@ -21,9 +25,20 @@ from __future__ import annotations
 
 from keras_perf.export._compression import compression_report
 from keras_perf.export._convert import export_tflite
+from keras_perf.export._inference_report import InferenceReport, inference_report
+from keras_perf.export._onnx import export_onnx
+from keras_perf.export._onnx_predict import onnx_predict
 from keras_perf.export._predict import tflite_predict
 
-__all__ = ["compression_report", "export_tflite", "tflite_predict"]
+__all__ = [
+    "InferenceReport",
+    "compression_report",
+    "export_onnx",
+    "export_tflite",
+    "inference_report",
+    "onnx_predict",
+    "tflite_predict",
+]
 
 # `doctest.testmod(keras_perf.export)` runs the examples of the public names' docstrings,
 # which live in the parts.

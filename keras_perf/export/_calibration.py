@@ -139,8 +139,8 @@ def _check_calibration(model, arrays: list[np.ndarray], specs: list[tuple]) -> N
                 raise ValueError(
                     f"`representative_data` for {label} has {int(bad.sum())} non-finite "
                     f"value(s) ({' and '.join(kinds)}), the first at index {where} (example "
-                    f"{where[0]}). TFLite calibration needs finite ranges (an Inf crashes the "
-                    "converter, NaN gives a float file): clean or drop those examples."
+                    f"{where[0]}). Calibration needs finite ranges (in TFLite an Inf crashes "
+                    "the converter, NaN gives a float file): clean or drop those examples."
                 )
     counts = {len(a) for a in arrays}
     if len(counts) != 1:

@@ -1,0 +1,204 @@
+"""Inference: ONNX int8 against ONNX float (and Keras), shrink + int8, and int8 accuracy.
+
+Claims (docs/export.md "ONNX", docs/BENCHMARKS.md "Inference"):
+1. The CNN of the issue (Conv 64 - Conv 64 - MaxPool - Conv 128 - GlobalAveragePooling -
+   Dense 10, ReLU, 32x32x3 inputs): ONNX Runtime int8 (`kp.export_onnx(..., "int8")`, QDQ,
+   per channel) against the float ONNX file, per call at batch 64 (target >= 1.5x, i.e. a
+   time ratio <= 0.67) and at batch 1 (>= 1.3x, <= 0.77).
+2. The same CNN with half of every Conv's filters removed (`kp.shrink` after zeroing them, as
+   channel pruning leaves them) exported int8, against the original float file at batch 64:
+   target >= 3x (<= 0.33).
+3. Keras `predict_on_batch` against the float file (reference rows, no target; not in
+   `--quick`, where the report's table gives Keras' latency).
+4. Accuracy on digits (1437 train / 360 held out) of an MLP 64-64-32-10 trained 20 epochs:
+   float, ONNX int8 (calibrated on 200 training images), ONNX int8 from `kp.quantize_aware`
+   (fine-tuned 2 epochs; learned ranges). Target: int8 within 1 point of float (a ratio
+   >= 0.99 of float's accuracy).
+Without `--quick`, MobileNetV2 (alpha 0.35, 96x96, random weights, no download) is timed too.
+
+Timing: ONNX Runtime sessions with thread spinning off (`session.intra_op.allow_spinning =
+"0"`), all cores; each unit of work is a block of calls (10 at batch 1, 2 at batch 64);
+baseline and candidate alternate A B B A with a 50 ms pause between blocks, `REPEATS` times;
+the median ratio of wall and of process CPU time. The absolute per-call latencies come from
+`kp.inference_report` (p50/p90), printed before the ratios.
+
+Run:
+
+    KERAS_BACKEND=torch python benchmarks/bench_inference.py [--quick] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+from _harness import digits, finish, mlp, parse_args, row, summarize, timed  # noqa: E402
+
+import keras_perf as kp  # noqa: E402
+from keras_perf.backend import onnx as _onnx  # noqa: E402
+from keras_perf.export._onnx_predict import feeds  # noqa: E402
+
+PAUSE = 0.05
+
+
+def cnn(seed=0, width=1.0):
+    keras.utils.set_random_seed(seed)
+    c = [int(64 * width), int(64 * width), int(128 * width)]
+    inp = keras.Input((32, 32, 3), name="image")
+    h = keras.layers.Conv2D(c[0], 3, padding="same", activation="relu")(inp)
+    h = keras.layers.Conv2D(c[1], 3, padding="same", activation="relu")(h)
+    h = keras.layers.MaxPooling2D()(h)
+    h = keras.layers.Conv2D(c[2], 3, padding="same", activation="relu")(h)
+    h = keras.layers.GlobalAveragePooling2D()(h)
+    return keras.Model(inp, keras.layers.Dense(10)(h))
+
+
+def halved(model):
+    """`model` with the first half of every Conv's filters zeroed (kernel, bias and the next
+    layer's input slice), then `kp.shrink`: what channel pruning at 50 % leaves."""
+    layers = [la for la in model.layers if la.weights]
+    for conv, nxt in zip(layers, layers[1:]):
+        if not isinstance(conv, keras.layers.Conv2D):
+            continue
+        drop = np.arange(conv.filters // 2)
+        k, b = (keras.ops.convert_to_numpy(w).copy() for w in (conv.kernel, conv.bias))
+        k[..., drop], b[drop] = 0.0, 0.0
+        conv.kernel.assign(k)
+        conv.bias.assign(b)
+        k2 = keras.ops.convert_to_numpy(nxt.kernel).copy()
+        if k2.ndim == 4:
+            k2[:, :, drop, :] = 0.0
+        else:
+            k2[drop, :] = 0.0
+        nxt.kernel.assign(k2)
+    return kp.shrink(model)
+
+
+def block(sess, x, calls):
+    f = feeds(sess, x)
+
+    def run():
+        for _ in range(calls):
+            sess.run(None, f)
+
+    return run
+
+
+def abba_paused(baseline, candidate, repeats):
+    """`_harness.abba` with a pause before each timed block (spinning threads settle)."""
+    wall, cpu = [], []
+    for _ in range(repeats):
+        t = []
+        for fn in (baseline, candidate, candidate, baseline):
+            time.sleep(PAUSE)
+            t.append(timed(fn))
+        wall.append((t[1][0] + t[2][0]) / (t[0][0] + t[3][0]))
+        cpu.append((t[1][1] + t[2][1]) / max(t[0][1] + t[3][1], 1e-9))
+    return summarize(wall, cpu)
+
+
+def speed_rows(name, model, small, repeats, tmp, shrunk=None, keras_rows=True):
+    x = np.random.default_rng(0).random((64, *model.input_shape[1:]), dtype=np.float32)
+    paths = {}
+    for tag, m, q in (("float", model, None), ("int8", model, "int8")) + (
+        (("shrunk-int8", shrunk, "int8"),) if shrunk is not None else ()
+    ):
+        paths[tag] = os.path.join(tmp, f"{name}-{tag}.onnx")
+        kp.export_onnx(m, paths[tag], q, representative_data=x if q else None)
+    sess = {tag: _onnx.session(p, os.cpu_count()) for tag, p in paths.items()}
+    print(
+        kp.inference_report(
+            model,
+            x,
+            batch_sizes=(1, 64),
+            formats=["keras", "onnx", "onnx-int8"],
+            repeats=repeats,
+        )
+    )
+    rows = []
+    for b, calls, target in ((64, 2, "<= 0.67"), (1, 10, "<= 0.77")):
+        xb = x[:b]
+        for s in sess.values():  # warm-up
+            s.run(None, feeds(s, xb))
+        r = abba_paused(block(sess["float"], xb, calls), block(sess["int8"], xb, calls), repeats)
+        rows.append(row(f"{name}: ONNX int8 / ONNX float, batch {b}", r, target if small else "-"))
+        if b == 64 and shrunk is not None:
+            r = abba_paused(
+                block(sess["float"], xb, calls), block(sess["shrunk-int8"], xb, calls), repeats
+            )
+            rows.append(row(f"{name}: shrink 50% + int8 / float ONNX, batch {b}", r, "<= 0.33"))
+        if not keras_rows:  # The report's table above has Keras' latency.
+            continue
+        n_keras = max(calls // 2, 1)
+
+        def keras_call(xb=xb, n=n_keras):
+            return [model.predict_on_batch(xb) for _ in range(n)]
+
+        keras_call()
+        r = abba_paused(keras_call, block(sess["float"], xb, n_keras), repeats)
+        rows.append(row(f"{name}: ONNX float / Keras predict_on_batch, batch {b}", r, "-"))
+    return rows
+
+
+def accuracy_rows(tmp, quick):
+    (x, y), (xv, yv) = digits()
+    model = mlp([64, 32], seed=0, functional=True, optimizer=keras.optimizers.Adam(3e-3))
+    model.fit(x, y, epochs=10 if quick else 20, batch_size=64, verbose=0)
+    acc = lambda out: float((np.asarray(out).argmax(1) == yv).mean())  # noqa: E731
+    base = acc(model.predict(xv, verbose=0))
+    p = os.path.join(tmp, "mlp-int8.onnx")
+    kp.export_onnx(model, p, "int8", representative_data=x[:200])
+    ptq = acc(kp.onnx_predict(p, xv))
+    qat = kp.quantize_aware(model)
+    qat.compile(keras.optimizers.Adam(3e-4), keras.losses.SparseCategoricalCrossentropy(True))
+    qat.fit(x, y, epochs=2, batch_size=32, verbose=0)
+    q = os.path.join(tmp, "mlp-qat.onnx")
+    kp.export_onnx(qat, q, "int8")
+    from_qat = acc(kp.onnx_predict(q, xv))
+    note = f"float {base:.4f}, PTQ int8 {ptq:.4f}, QAT int8 {from_qat:.4f}"
+    print("digits MLP accuracy:", note)
+    return [
+        row(
+            "digits MLP: ONNX int8 (PTQ) accuracy / float",
+            {"wall_ratio": ptq / base},
+            ">= 0.99",
+            note=note,
+        ),
+        row(
+            "digits MLP: ONNX int8 (QAT) accuracy / float",
+            {"wall_ratio": from_qat / base},
+            ">= 0.99",
+        ),
+    ]
+
+
+def main():
+    args = parse_args(__doc__.splitlines()[0])
+    repeats = 3 if args.quick else 7
+    print("load:", os.getloadavg())
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model = cnn()
+        model(np.zeros((1, 32, 32, 3), "float32"))
+        shrunk_source = keras.models.clone_model(model)
+        shrunk_source.set_weights(model.get_weights())
+        rows += speed_rows(
+            "CNN 32x32", model, True, repeats, tmp, halved(shrunk_source), not args.quick
+        )
+        rows += accuracy_rows(tmp, args.quick)
+        if not args.quick:
+            mobile = keras.applications.MobileNetV2(
+                input_shape=(96, 96, 3), alpha=0.35, weights=None, classes=10
+            )
+            rows += speed_rows("MobileNetV2 0.35 96x96", mobile, False, repeats, tmp)
+    print("load:", os.getloadavg())
+    finish(rows, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,348 @@
+"""`inference_report`: one model, exported to every deployment format available here, timed.
+
+Each format is exported (ONNX float/int8 with `export_onnx`, TFLite float/int8 with
+`export_tflite`) and run on the same batches. Latency is measured per call, formats
+alternated round by round (forward, then backward order) after a warm-up, with a pause
+between formats (ONNX Runtime runs with thread spinning off, so that idle threads of one
+format do not steal the CPU from the next). Agreement with the Keras model and accuracy are
+computed on the whole of `x`.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+
+import keras
+import numpy as np
+
+from keras_perf._imports import require
+from keras_perf._utils import check_int
+
+FORMATS = ("keras", "onnx", "onnx-int8", "tflite", "tflite-int8")
+_COLUMNS = (
+    "format",
+    "batch_size",
+    "latency_ms_p50",
+    "latency_ms_p90",
+    "examples_per_s",
+    "bytes",
+    "agreement",
+    "accuracy",
+)
+
+
+class InferenceReport:
+    """What `inference_report` measured: `rows` (one dict per format and batch size), the
+    `threads` the runtimes used and the machine's `load` (1-minute average) at the start."""
+
+    def __init__(self, rows: list[dict], threads: int, load: float | None, backend: str):
+        self.rows, self.threads, self.load, self.backend = rows, threads, load, backend
+
+    def to_dict(self) -> dict:
+        return {
+            "rows": [dict(r) for r in self.rows],
+            "threads": self.threads,
+            "load": self.load,
+            "backend": self.backend,
+        }
+
+    def __str__(self) -> str:
+        head = ("format", "batch", "p50 ms", "p90 ms", "examples/s", "size", "agreement", "acc")
+        lines = []
+        for r in self.rows:
+            acc = "-" if r["accuracy"] is None else f"{r['accuracy']:.3f}"
+            agree = "-" if r["agreement"] is None else f"{r['agreement']:.4g}"
+            lines.append(
+                (
+                    r["format"],
+                    str(r["batch_size"]),
+                    f"{r['latency_ms_p50']:.3g}",
+                    f"{r['latency_ms_p90']:.3g}",
+                    f"{r['examples_per_s']:.4g}",
+                    f"{r['bytes'] / 1024:.1f} KiB",
+                    agree,
+                    acc,
+                )
+            )
+        widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(head)]
+        fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+        load = "" if self.load is None else f", load {self.load:.1f}"
+        out = [
+            f"Inference on {self.backend} (CPU, {self.threads} runtime threads{load}; "
+            "latency per call, warm-up excluded):",
+            fmt.format(*head),
+        ]
+        out += [fmt.format(*line) for line in lines]
+        return "\n".join(out)
+
+    __repr__ = __str__
+
+    def plot(self, path=None):
+        """Bar chart of the p50 latency per format, one group per batch size; saved to `path`
+        when given. Returns the matplotlib figure."""
+        require("matplotlib", "InferenceReport.plot")
+        import matplotlib
+
+        if path is not None:
+            matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+
+        sizes = sorted({r["batch_size"] for r in self.rows})
+        fig, axes = plt.subplots(1, len(sizes), figsize=(4 * len(sizes), 3), squeeze=False)
+        for ax, b in zip(axes[0], sizes):
+            rows = [r for r in self.rows if r["batch_size"] == b]
+            ax.bar([r["format"] for r in rows], [r["latency_ms_p50"] for r in rows])
+            ax.set_title(f"batch {b}")
+            ax.set_ylabel("p50 latency (ms)")
+            ax.tick_params(axis="x", rotation=45)
+        fig.tight_layout()
+        if path is not None:
+            fig.savefig(path)
+        return fig
+
+
+def available_formats(model) -> list[str]:
+    """The formats `inference_report` can measure for `model` here."""
+    import importlib.util
+
+    from keras_perf import quantization as _quantization
+
+    qat = _quantization.is_quantized_model(model)
+    out = ["keras"]
+    if all(importlib.util.find_spec(m) for m in ("onnx", "onnxruntime")):
+        out += ["onnx-int8"] if qat else ["onnx", "onnx-int8"]
+    if importlib.util.find_spec("tensorflow"):
+        out += ["tflite-int8"] if qat else ["tflite", "tflite-int8"]
+    return out
+
+
+def inference_report(
+    model: keras.Model,
+    x,
+    y=None,
+    batch_sizes=(1, 64),
+    formats=None,
+    representative_data=None,
+    *,
+    repeats: int = 20,
+    threads: int | None = None,
+    pause: float = 0.02,
+) -> InferenceReport:
+    """Export `model` to each deployment format and measure latency, size and agreement.
+
+    Args:
+        model: A built Sequential or Functional model (a `kp.quantize_aware` model exports
+            int8 formats only, from its learned ranges).
+        x: Inputs, as `model.predict` takes them (one array, or a list/dict per input).
+        y: Integer labels (or one-hot) for `accuracy`. Defaults to `None` (no accuracy).
+        batch_sizes: Batch sizes to time (batches are the first examples of `x`, repeated
+            when `x` is shorter). Defaults to `(1, 64)`.
+        formats: Any of `"keras"` (`predict_on_batch`), `"onnx"`, `"onnx-int8"`, `"tflite"`,
+            `"tflite-int8"`. Defaults to `None`: every format available here.
+        representative_data: Calibration data of the int8 formats. Defaults to `None`: the
+            first 200 examples of `x`.
+        repeats: Timed calls per format and batch size. Defaults to `20`.
+        threads: Threads of ONNX Runtime and TFLite. Defaults to `None`: one per CPU core.
+        pause: Seconds of sleep between two formats' calls. Defaults to `0.02`.
+
+    Returns:
+        An `InferenceReport`: `rows` (dicts with `format`, `batch_size`, `latency_ms_p50`,
+        `latency_ms_p90`, `examples_per_s`, `bytes`, `agreement` (share of argmax equal to
+        the Keras model's for a classifier, else max abs difference), `accuracy`); prints as
+        a table; `to_dict()`, `plot(path)`.
+
+    Raises:
+        ValueError: an unknown or unavailable format, a bad batch size, `x` with no examples.
+        ImportError: a format's package is missing (named with its extra).
+
+    Example:
+        >>> import keras, numpy as np, keras_perf as kp
+        >>> model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
+        >>> x = np.random.rand(64, 8).astype("float32")
+        >>> r = kp.inference_report(model, x, formats=["keras", "onnx"], repeats=3)
+        >>> [row["format"] for row in r.rows]
+        ['keras', 'onnx', 'keras', 'onnx']
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
+    check_int("repeats", repeats, minimum=1)
+    check_int("threads", threads, minimum=1, allow_none=True)
+    sizes = [batch_sizes] if isinstance(batch_sizes, int) else list(batch_sizes)
+    for b in sizes:
+        check_int("batch_sizes", b, minimum=1)
+    if not sizes:
+        raise ValueError("`batch_sizes` is empty; give at least one batch size.")
+    if float(pause) < 0:
+        raise ValueError(f"`pause` must be >= 0; got {pause!r}.")
+    available = available_formats(model)
+    if formats is None:
+        formats = available
+    formats = [formats] if isinstance(formats, str) else list(formats)
+    for f in formats:
+        if f not in FORMATS:
+            raise ValueError(f"`formats` item {f!r} is not one of {FORMATS}.")
+        if f not in available:
+            raise ValueError(
+                f"Format {f!r} is not available here for this model (available: {available}): "
+                "ONNX needs the `onnx` extra, TFLite TensorFlow; a quantization-aware model "
+                "exports int8 only."
+            )
+    arrays = _arrays(model, x)
+    n = len(arrays[0])
+    threads = threads or os.cpu_count() or 1
+    calib = representative_data
+    if calib is None:
+        calib = [a[:200] for a in arrays]
+        calib = calib[0] if len(calib) == 1 else calib
+    reference = model.predict(_pack(model, arrays), verbose=0, batch_size=64)
+    reference = np.asarray(keras.tree.flatten(reference)[0])
+    labels = None if y is None else np.asarray(y)
+    if labels is not None and labels.ndim > 1:
+        labels = labels.argmax(-1)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        runners = {f: _runner(f, model, calib, tmp, threads) for f in formats}
+        rows = []
+        for b in sizes:
+            index = np.arange(b) % n
+            batch = [a[index] for a in arrays]
+            calls = {f: runners[f][0](batch) for f in formats}
+            for call in calls.values():  # Warm-up (first runs allocate and compile).
+                call()
+                call()
+            times = {f: [] for f in formats}
+            for r in range(repeats):
+                for f in formats if r % 2 == 0 else reversed(formats):
+                    time.sleep(pause)
+                    t0 = time.perf_counter()
+                    calls[f]()
+                    times[f].append(time.perf_counter() - t0)
+            for f in formats:
+                out = runners[f][1](arrays)
+                p50 = statistics.median(times[f])
+                rows.append(
+                    {
+                        "format": f,
+                        "batch_size": b,
+                        "latency_ms_p50": 1e3 * p50,
+                        "latency_ms_p90": 1e3 * float(np.percentile(times[f], 90)),
+                        "examples_per_s": b / p50,
+                        "bytes": runners[f][2],
+                        "agreement": _agreement(out, reference),
+                        "accuracy": None if labels is None else _accuracy(out, labels),
+                    }
+                )
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    return InferenceReport(rows, threads, load, keras.backend.backend())
+
+
+def _arrays(model, x) -> list[np.ndarray]:
+    names = [t.name for t in model.inputs]
+    if isinstance(x, dict):
+        arrays = [np.asarray(x[k]) for k in names]
+    elif isinstance(x, (list, tuple)):
+        arrays = [np.asarray(a) for a in x]
+    else:
+        arrays = [np.asarray(x)]
+    if len(arrays) != len(names):
+        raise ValueError(f"The model has {len(names)} inputs ({names}); `x` gives {len(arrays)}.")
+    if not len(arrays[0]):
+        raise ValueError("`x` holds no examples.")
+    return arrays
+
+
+def _pack(model, arrays):
+    return arrays[0] if len(arrays) == 1 else list(arrays)
+
+
+def _agreement(out, reference) -> float:
+    out = np.asarray(out, dtype=np.float32)
+    if reference.ndim == 2 and reference.shape[-1] > 1:
+        return float((out.argmax(-1) == reference.argmax(-1)).mean())
+    return float(np.abs(out - reference).max())
+
+
+def _accuracy(out, labels) -> float:
+    return float((np.asarray(out).argmax(-1) == labels.reshape(-1)).mean())
+
+
+def _runner(fmt, model, calib, tmp, threads):
+    """(batch -> zero-argument call, arrays -> first output, file bytes) for one format."""
+    if fmt == "keras":
+        size = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in model.weights)
+
+        def keras_call(batch):
+            data = _pack(model, batch)
+            return lambda: model.predict_on_batch(data)
+
+        def keras_all(arrays):
+            out = model.predict(_pack(model, arrays), verbose=0, batch_size=64)
+            return keras.tree.flatten(out)[0]
+
+        return keras_call, keras_all, size
+    if fmt.startswith("onnx"):
+        from keras_perf.backend import onnx as _onnx
+        from keras_perf.export._onnx import export_onnx
+        from keras_perf.export._onnx_predict import feeds
+
+        path = os.path.join(tmp, f"{fmt}.onnx")
+        int8 = fmt == "onnx-int8"
+        from keras_perf import quantization as _quantization
+
+        data = None if not int8 or _quantization.is_quantized_model(model) else calib
+        report = export_onnx(model, path, "int8" if int8 else None, data)
+        sess = _onnx.session(path, threads)
+
+        def onnx_call(batch):
+            f = feeds(sess, batch)
+            return lambda: sess.run(None, f)
+
+        def onnx_all(arrays):
+            return _onnx.run(sess, feeds(sess, arrays), 64)[0]
+
+        return onnx_call, onnx_all, report["bytes"]
+    return _tflite_runner(fmt, model, calib, tmp, threads)
+
+
+def _tflite_runner(fmt, model, calib, tmp, threads):
+    from keras_perf import quantization as _quantization
+    from keras_perf.backend import tflite as _tflite
+    from keras_perf.export._convert import export_tflite
+    from keras_perf.export._metadata import _stored_input_order
+    from keras_perf.export._predict import _feeds, tflite_predict
+
+    path = os.path.join(tmp, f"{fmt}.tflite")
+    if fmt == "tflite":
+        report = export_tflite(model, path)
+    elif _quantization.is_quantized_model(model):
+        report = export_tflite(model, path, "int8", int8_io=False)
+    else:
+        report = export_tflite(model, path, "int8", representative_data=calib, int8_io=False)
+    content = open(path, "rb").read()
+    details = _tflite.describe(content)[0]
+    order = _stored_input_order(content)
+
+    def tflite_call(batch):
+        interp = _tflite.interpreter(content, num_threads=threads, allocate=False)
+        fed = _feeds(batch if len(batch) > 1 else batch[0], details, order)
+        for index, a in fed.items():
+            interp.resize_tensor_input(index, list(a.shape), strict=False)
+        interp.allocate_tensors()
+        for index, a in fed.items():
+            interp.set_tensor(index, a)
+        out = interp.get_output_details()[0]["index"]
+
+        def call():
+            interp.invoke()
+            return interp.get_tensor(out)
+
+        return call
+
+    def tflite_all(arrays):
+        out = tflite_predict(content, arrays if len(arrays) > 1 else arrays[0], 64, threads)
+        return keras.tree.flatten(out)[0]
+
+    return tflite_call, tflite_all, report["bytes"]

@@ -1,0 +1,269 @@
+"""`export_onnx` and `onnx_predict`: a Keras 3 model to an ONNX file (float, float16, int8) and
+back to numpy outputs through ONNX Runtime.
+
+The float graph is Keras' own `model.export(format="onnx")` on every backend; quantization is
+ONNX Runtime's (see `keras_perf.backend.onnx`). A quantization-aware model's learned ranges
+are read by `_onnx_qat`. The calibration data checks are `export_tflite`'s (`_calibration`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import keras
+import numpy as np
+
+from keras_perf._utils import check_choice, check_int
+from keras_perf.backend import onnx as _onnx
+from keras_perf.export._calibration import _calibration, _check_calibration
+from keras_perf.export._checks import _check_path, _input_count, _input_specs
+
+QUANTIZATIONS = (None, "float16", "dynamic", "int8")
+METADATA_KEY = "keras_perf"
+
+
+def export_onnx(
+    model: keras.Model,
+    path: str | os.PathLike,
+    quantization: str | None = None,
+    representative_data=None,
+    *,
+    calibration_samples: int = 200,
+) -> dict:
+    """Export a Keras model to an ONNX file, optionally quantized (float16 or int8).
+
+    The graph is Keras' own `model.export(path, format="onnx")` (tf2onnx on TensorFlow,
+    jax2onnx on JAX, `torch.onnx` on PyTorch); quantization is ONNX Runtime's:
+
+    - `None`: float32, as Keras writes it.
+    - `"float16"`: weights and activations float16, float32 in and out; ~2x smaller.
+    - `"dynamic"`: int8 weights of MatMul/Gemm/Conv, activations quantized on the fly.
+    - `"int8"`: static QDQ quantization: int8 weights (per output channel), uint8 activations
+      with ranges calibrated on `representative_data` (`quant_pre_process`, then
+      `quantize_static`). A model made by `kp.quantize_aware` needs no data: its learned
+      ranges become the file's scales and zero points, so the file computes what the Keras
+      model computes.
+
+    An `"int8"` file in which a Conv, MatMul or Gemm stayed in float is refused (nothing is
+    written). The model's input names, in `model.inputs` order, are stored in the file's
+    metadata, so that `onnx_predict` takes a list in that order.
+
+    Args:
+        model: A built Sequential or Functional Keras model (it has an `Input`).
+        path: Where to write the `.onnx` file (its directory must exist and be writable).
+        quantization: One of `None`, `"float16"`, `"dynamic"`, `"int8"`. Defaults to `None`.
+        representative_data: Calibration inputs for `"int8"` (refused otherwise, and for a
+            quantization-aware model): an array of examples for a one-input model, a list in
+            `model.inputs` order or a dict keyed by input name, or a callable returning an
+            iterable of samples, as `export_tflite` takes them. Defaults to `None`.
+        calibration_samples: How many examples of an array `representative_data` to
+            calibrate on (the first ones). Defaults to `200`.
+
+    Returns:
+        A dict: `path`, `bytes` (file size), `quantization`, `inputs` and `outputs` (one dict
+        per tensor: `name`, `shape` with `None` for free dimensions, `dtype`) and
+        `input_order` (input names in `model.inputs` order).
+
+    Raises:
+        ImportError: a package of the `onnx` extra is missing (named in the message).
+        TypeError: an argument has the wrong type.
+        ValueError: an unknown `quantization`; `"int8"` without `representative_data`, or data
+            with another mode; the model is not built or is subclassed; the path cannot be
+            written; the calibration data does not match the model's inputs, is empty or not
+            finite; a quantization-aware model with another mode than `"int8"`; an `"int8"`
+            file with ops left in float.
+
+    Example:
+        >>> import keras, numpy as np, keras_perf as kp
+        >>> model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
+        >>> x = np.random.rand(64, 8).astype("float32")
+        >>> report = kp.export_onnx(model, "/tmp/m.onnx", "int8", representative_data=x)
+        >>> report["bytes"] < 10_000
+        True
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"`path` must be a str or path-like, got {type(path).__name__}.")
+    if quantization is not None and not isinstance(quantization, str):
+        raise TypeError(
+            f"`quantization` must be None or one of {QUANTIZATIONS[1:]}, got "
+            f"{type(quantization).__name__}."
+        )
+    check_choice("quantization", quantization, QUANTIZATIONS)
+    check_int("calibration_samples", calibration_samples, minimum=1)
+    from keras_perf import quantization as _quantization
+
+    qat = _quantization.is_quantized_model(model)
+    if qat and quantization != "int8":
+        raise ValueError(
+            "A quantization-aware model is exported with quantization='int8' (its learned "
+            f"ranges); got quantization={quantization!r}. Export the float model for other modes."
+        )
+    if qat and representative_data is not None:
+        raise ValueError(
+            "`representative_data` is not used for a quantization-aware model: its activation "
+            "ranges were learned in training. Drop the argument."
+        )
+    if not qat and quantization == "int8" and representative_data is None:
+        raise ValueError(
+            "quantization='int8' needs `representative_data` to calibrate the activation "
+            "ranges: pass ~100-500 training examples, e.g. `export_onnx(model, path, 'int8', "
+            "representative_data=x_train[:200])`, or use quantization='dynamic', which needs "
+            "no data."
+        )
+    if quantization != "int8" and representative_data is not None:
+        raise ValueError(
+            f"`representative_data` is only used with quantization='int8'; got it with "
+            f"quantization={quantization!r}. Drop it, or ask for 'int8'."
+        )
+    specs = _input_specs(model) if model.built else None
+    if specs is None:
+        raise ValueError(
+            "`model` has no symbolic inputs (it is unbuilt or subclassed): export_onnx needs a "
+            "Sequential or Functional model that starts with `keras.Input(shape)`."
+        )
+    path = _check_path(path)
+    backend = keras.backend.backend()
+    _onnx.require_onnx("export_onnx", backend)
+    calibration = None
+    if quantization == "int8" and not qat:
+        calibration = _calibration(representative_data, specs, _input_count(model))
+        if not callable(representative_data):
+            calibration = [a[:calibration_samples] for a in calibration]
+        _check_calibration(model, calibration, specs)
+    names = [name for name, _, _ in specs]
+
+    with tempfile.TemporaryDirectory() as tmp:
+        graph = model
+        if qat:
+            from keras_perf.export import _onnx_qat
+
+            graph = _onnx_qat.float_copy(model)
+        _call_once(graph, specs)  # Keras exports a model only after it has been called.
+        float_path = os.path.join(tmp, "float.onnx")
+        _onnx.export_float(graph, float_path)
+        out = os.path.join(tmp, "out.onnx")
+        if quantization is None:
+            out = float_path
+        elif quantization in ("float16", "dynamic"):
+            _onnx.quantize(float_path, out, quantization)
+        else:
+            prepared = os.path.join(tmp, "prepared.onnx")
+            _onnx.pre_process(float_path, prepared)
+            ranges, reader = None, None
+            if qat:
+                ranges = _onnx_qat.learned_ranges(model, graph, prepared)
+            else:
+                reader = _Reader(calibration, _file_inputs(prepared, names))
+            _onnx.quantize(prepared, out, "int8", reader, ranges, os.path.join(tmp, "ranges.json"))
+            _refuse_float(out, qat)
+        _write(out, path, names)
+    return _report(path, quantization)
+
+
+def _call_once(model, specs):
+    x = [
+        np.zeros([1 if d is None else d for d in (1, *shape[1:])], dtype=dtype)
+        for _, shape, dtype in specs
+    ]
+    model(x[0] if len(x) == 1 else x, training=False)
+
+
+def _file_inputs(path, names: list[str]) -> list[str]:
+    """The file's input names in `model.inputs` order (they carry the Keras names)."""
+    import onnx
+
+    graph = onnx.load(str(path)).graph
+    initializers = {i.name for i in graph.initializer}
+    file_names = [i.name for i in graph.input if i.name not in initializers]
+    if sorted(file_names) == sorted(names):
+        return list(names)
+    return file_names  # Positional: the exporters keep `model.inputs` order.
+
+
+class _Reader:
+    """ONNX Runtime's `CalibrationDataReader`: the checked calibration arrays, 32 at a time."""
+
+    def __init__(self, arrays, names):
+        self.arrays, self.names, self.start = arrays, names, 0
+
+    def get_next(self):
+        n = len(self.arrays[0])
+        if self.start >= n:
+            return None
+        s = slice(self.start, self.start + 32)
+        self.start += 32
+        return {name: a[s] for name, a in zip(self.names, self.arrays)}
+
+
+def _refuse_float(path, qat: bool) -> None:
+    import onnx
+
+    left = _onnx.float_ops(onnx.load(str(path)))
+    if left:
+        why = (
+            "a tensor around them has no learned range (put the layers through "
+            "`quantize_aware`, and train it)"
+            if qat
+            else "ONNX Runtime did not quantize them (check `representative_data`: real, finite "
+            "examples in the model's input range)"
+        )
+        raise ValueError(
+            f"quantization='int8' left {len(left)} weight op(s) in float ({', '.join(left[:5])}"
+            f"{', ...' if len(left) > 5 else ''}), so nothing was written: {why}. "
+            "quantization='dynamic' quantizes the weights alone."
+        )
+
+
+def _write(src, path: Path, names: list[str]) -> None:
+    import onnx
+
+    proto = onnx.load(str(src))
+    del proto.metadata_props[:]
+    entry = proto.metadata_props.add()
+    entry.key, entry.value = METADATA_KEY, json.dumps({"inputs": names})
+    tmp = path.with_name(path.name + ".tmp")
+    onnx.save(proto, str(tmp))
+    shutil.move(str(tmp), str(path))
+
+
+def _describe(values) -> list[dict]:
+    import onnx
+
+    out = []
+    for v in values:
+        t = v.type.tensor_type
+        shape = [d.dim_value if d.HasField("dim_value") else None for d in t.shape.dim]
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type).name
+        out.append({"name": v.name, "shape": shape, "dtype": dtype})
+    return out
+
+
+def _report(path: Path, quantization) -> dict:
+    import onnx
+
+    proto = onnx.load(str(path))
+    initializers = {i.name for i in proto.graph.initializer}
+    return {
+        "path": str(path),
+        "bytes": path.stat().st_size,
+        "quantization": quantization,
+        "inputs": _describe(i for i in proto.graph.input if i.name not in initializers),
+        "outputs": _describe(proto.graph.output),
+        "input_order": _stored_order(proto),
+    }
+
+
+def _stored_order(proto) -> list[str] | None:
+    for entry in proto.metadata_props:
+        if entry.key == METADATA_KEY:
+            try:
+                return list(json.loads(entry.value)["inputs"])
+            except (ValueError, KeyError, TypeError):
+                return None
+    return None

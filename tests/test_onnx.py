@@ -1,0 +1,325 @@
+"""export_onnx / onnx_predict / inference_report, on every backend.
+
+Models are trained on digits (8x8 images) and exported through Keras' own ONNX exporter of the
+backend (tf2onnx, jax2onnx, torch.onnx); the files run in ONNX Runtime. On JAX the first
+export in a process takes ~45 s (jax2onnx imports and traces all its plugins once), so the
+files are made once per module and shared.
+"""
+
+import shutil
+import sys
+
+import keras
+import numpy as np
+import pytest
+
+import keras_perf as kp
+from keras_perf.backend import onnx as _onnx
+from keras_perf.quantization import ActivationQuantizer
+
+onnx = pytest.importorskip("onnx")
+pytest.importorskip("onnxruntime")
+
+BACKEND = keras.backend.backend()
+LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def cnn(seed=0):
+    """Conv-BN-ReLU, MaxPool (jax2onnx's 6-D MaxPool, rewritten), Dense: digits images."""
+    keras.utils.set_random_seed(seed)
+    inp = keras.Input((8, 8, 1), name="image")
+    h = keras.layers.Conv2D(8, 3, padding="same")(inp)
+    h = keras.layers.BatchNormalization()(h)
+    h = keras.layers.ReLU()(h)
+    h = keras.layers.MaxPooling2D()(h)
+    h = keras.layers.Flatten()(h)
+    h = keras.layers.Dense(32, activation="relu")(h)
+    return keras.Model(inp, keras.layers.Dense(10)(h))
+
+
+def fit(model, x, y, epochs):
+    model.compile(keras.optimizers.Adam(3e-3), LOSS)
+    model.fit(x, y, epochs=epochs, batch_size=64, verbose=0)
+    return model
+
+
+def accuracy(logits, y):
+    return float((np.asarray(logits).argmax(1) == y).mean())
+
+
+@pytest.fixture(scope="module")
+def data(digits):
+    (x, y), (xv, yv) = digits
+    return (x.reshape(-1, 8, 8, 1), y), (xv.reshape(-1, 8, 8, 1), yv)
+
+
+@pytest.fixture(scope="module")
+def trained(data):
+    (x, y), _ = data
+    return fit(cnn(), x, y, epochs=3)
+
+
+@pytest.fixture(scope="module")
+def files(trained, data, tmp_path_factory):
+    """The trained CNN exported float and int8 (the two exports most tests read)."""
+    (x, _), _ = data
+    tmp = tmp_path_factory.mktemp("onnx")
+    return {
+        None: kp.export_onnx(trained, tmp / "float.onnx"),
+        "int8": kp.export_onnx(trained, tmp / "int8.onnx", "int8", representative_data=x),
+    }
+
+
+def test_float_round_trip(trained, files, data):
+    _, (xv, _) = data
+    report = files[None]
+    out = kp.onnx_predict(report["path"], xv, batch_size=100)
+    np.testing.assert_allclose(out, trained.predict(xv, verbose=0), atol=1e-4)
+    assert report["input_order"] == ["image"]
+    assert report["inputs"][0]["shape"][1:] == [8, 8, 1]
+    assert report["bytes"] == len(open(report["path"], "rb").read())
+
+
+def test_int8_agrees_on_digits(trained, files, data):
+    _, (xv, yv) = data
+    report = files["int8"]
+    proto = onnx.load(report["path"])
+    assert _onnx.float_ops(proto) == []  # every Conv and Gemm runs in int8
+    assert {"QuantizeLinear", "DequantizeLinear"} <= {n.op_type for n in proto.graph.node}
+    keras_logits = trained.predict(xv, verbose=0)
+    out = kp.onnx_predict(report["path"], xv)
+    assert (out.argmax(1) == keras_logits.argmax(1)).mean() >= 0.97
+    assert accuracy(out, yv) >= accuracy(keras_logits, yv) - 0.01
+    assert report["bytes"] < files[None]["bytes"]
+
+
+@pytest.mark.parametrize("mode", ["float16", "dynamic"])
+def test_weight_modes_agree(trained, data, mode, tmp_path):
+    _, (xv, _) = data
+    report = kp.export_onnx(trained, tmp_path / "m.onnx", mode)
+    out = kp.onnx_predict(report["path"], xv)
+    keras_logits = trained.predict(xv, verbose=0)
+    assert (out.argmax(1) == keras_logits.argmax(1)).mean() >= 0.99
+    assert np.abs(out - keras_logits).max() < 0.1
+
+
+def test_qat_file_has_the_learned_ranges(trained, data, tmp_path):
+    (x, _), (xv, _) = data
+    qat = kp.quantize_aware(trained)
+    # One training-mode pass sets the moving-average ranges (the first batch sets them
+    # directly): what `fit` does to them, without compiling a train step (~40 s on JAX).
+    qat(x[:512], training=True)
+    report = kp.export_onnx(qat, tmp_path / "qat.onnx", "int8")  # no calibration data
+    params = _onnx.quantization_params(onnx.load(report["path"]))
+    file_scales = np.array([float(s) for s, _ in params.values()])
+    quantizers = [q for q in qat.layers if isinstance(q, ActivationQuantizer)]
+    assert len(quantizers) == 4  # input, conv block, dense 32, output
+    for q in quantizers:
+        lo, hi = float(q.min.numpy()), float(q.max.numpy())
+        scale = (hi - lo) / 255
+        zero = np.clip(np.round(-lo / scale), 0, 255)
+        hits = [k for k, (s, z) in params.items() if np.isclose(float(s), scale, rtol=1e-6)]
+        assert hits, f"{q.name}: scale {scale} not among the file's {file_scales}"
+        assert all(int(params[k][1]) == zero for k in hits)
+    # The file computes what the QAT model computes, within a few steps of the output scale.
+    out_q = quantizers[-1]
+    step = (float(out_q.max.numpy()) - float(out_q.min.numpy())) / 255
+    diff = np.abs(kp.onnx_predict(report["path"], xv) - qat.predict(xv, verbose=0))
+    assert diff.max() <= 3 * step + 1e-6
+
+
+def test_qat_argument_errors(trained, data, tmp_path):
+    (x, _), _ = data
+    qat = kp.quantize_aware(trained)
+    with pytest.raises(ValueError, match="quantization='int8'"):
+        kp.export_onnx(qat, tmp_path / "q.onnx")
+    with pytest.raises(ValueError, match="learned in training"):
+        kp.export_onnx(qat, tmp_path / "q.onnx", "int8", representative_data=x)
+    with pytest.raises(ValueError, match="never seen a training batch"):
+        kp.export_onnx(qat, tmp_path / "q.onnx", "int8")
+    assert not (tmp_path / "q.onnx").exists()
+
+
+def test_bad_calibration_data_is_refused_before_writing(trained, data, tmp_path):
+    (x, _), _ = data
+    path = tmp_path / "m.onnx"
+    bad = x[:50].copy()
+    bad[3, 0, 0, 0] = np.nan
+    with pytest.raises(ValueError, match="non-finite"):
+        kp.export_onnx(trained, path, "int8", representative_data=bad)
+    with pytest.raises(ValueError, match=r"expected shape \(examples, 8, 8, 1\)"):
+        kp.export_onnx(trained, path, "int8", representative_data=x[:50, :4])
+    with pytest.raises(ValueError, match="dtype"):
+        kp.export_onnx(trained, path, "int8", representative_data=np.array([["a"]]))
+    assert not path.exists()
+
+
+def test_argument_errors(trained, data, tmp_path):
+    (x, _), _ = data
+    with pytest.raises(ValueError, match="`quantization` must be one of"):
+        kp.export_onnx(trained, tmp_path / "m.onnx", "int4")
+    with pytest.raises(ValueError, match="needs `representative_data`"):
+        kp.export_onnx(trained, tmp_path / "m.onnx", "int8")
+    with pytest.raises(ValueError, match="only used with quantization='int8'"):
+        kp.export_onnx(trained, tmp_path / "m.onnx", "dynamic", representative_data=x)
+    with pytest.raises(ValueError, match="does not exist"):
+        kp.export_onnx(trained, tmp_path / "no" / "m.onnx")
+    with pytest.raises(TypeError, match="keras.Model"):
+        kp.export_onnx("model", tmp_path / "m.onnx")
+
+    class Sub(keras.Model):
+        def call(self, x):
+            return x
+
+    with pytest.raises(ValueError, match="Sequential or Functional"):
+        kp.export_onnx(Sub(), tmp_path / "m.onnx")
+
+
+def test_int8_file_left_in_float_is_refused(trained, data, tmp_path, monkeypatch):
+    (x, _), _ = data
+
+    def no_quantization(src, dst, *args, **kwargs):
+        shutil.copy(src, dst)
+
+    monkeypatch.setattr(_onnx, "quantize", no_quantization)
+    path = tmp_path / "m.onnx"
+    with pytest.raises(ValueError, match=r"left 3 weight op\(s\) in float"):
+        kp.export_onnx(trained, path, "int8", representative_data=x[:64])
+    assert not path.exists()
+
+
+@pytest.mark.parametrize("module", ["onnxruntime", "onnx", _onnx.EXPORTERS[BACKEND]])
+def test_missing_package_names_the_extra(files, module, monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, module, None)  # import fails, find_spec raises
+    extra = "onnx-jax" if module == "jax2onnx" else "onnx"
+    with pytest.raises(ImportError, match=rf"keras-perf\[{extra}\]"):
+        kp.export_onnx(
+            keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]), tmp_path / "m.onnx"
+        )
+    if module == "onnxruntime":
+        with pytest.raises(ImportError, match=r"keras-perf\[onnx\]"):
+            kp.onnx_predict(files[None]["path"], np.zeros((1, 8, 8, 1), "float32"))
+
+
+@pytest.mark.skipif(BACKEND == "jax", reason="jax2onnx converts erfinv")
+def test_unsupported_op_is_a_clear_error(tmp_path):
+    model = keras.Sequential(
+        [keras.Input((4,)), keras.layers.Lambda(lambda t: keras.ops.erfinv(keras.ops.tanh(t)))]
+    )
+    path = tmp_path / "m.onnx"
+    with pytest.raises(ValueError, match="Keras' ONNX export .* (cannot convert|cannot load)"):
+        kp.export_onnx(model, path)
+    assert not path.exists()
+
+
+def test_onnx_predict_takes_inputs_like_predict(tmp_path):
+    keras.utils.set_random_seed(1)
+    a, b = keras.Input((3,), name="a"), keras.Input((5,), name="b")
+    h = keras.layers.Concatenate()([keras.layers.Dense(4)(b), a])
+    model = keras.Model([a, b], [keras.layers.Dense(2)(h), keras.layers.Dense(1)(h)])
+    report = kp.export_onnx(model, tmp_path / "two.onnx")
+    assert report["input_order"] == ["a", "b"]
+    xa, xb = np.random.rand(7, 3).astype("float32"), np.random.rand(7, 5).astype("float32")
+    expected = model.predict([xa, xb], verbose=0)
+    for x in ([xa, xb], {"b": xb, "a": xa}):
+        out = kp.onnx_predict(report["path"], x, batch_size=3)
+        assert len(out) == 2
+        for o, e in zip(out, expected):
+            np.testing.assert_allclose(o, e, atol=1e-5)
+    with pytest.raises(ValueError, match="2 inputs"):
+        kp.onnx_predict(report["path"], xa)
+    with pytest.raises(ValueError, match=r"expected shape \(examples, 5\)"):
+        kp.onnx_predict(report["path"], {"a": xa, "b": xa})
+    with pytest.raises(ValueError, match="batch_size"):
+        kp.onnx_predict(report["path"], [xa, xb], batch_size=0)
+
+
+def test_pruned_zeros_survive_into_the_file(trained, tmp_path):
+    model = keras.models.clone_model(trained)
+    model.set_weights(trained.get_weights())
+    dense = model.layers[-2]
+    kernel = keras.ops.convert_to_numpy(dense.kernel).copy()
+    kernel[np.abs(kernel) < np.median(np.abs(kernel))] = 0.0
+    dense.kernel.assign(kernel)
+    report = kp.export_onnx(model, tmp_path / "pruned.onnx")
+    weights = [onnx.numpy_helper.to_array(i) for i in onnx.load(report["path"]).graph.initializer]
+    zeros = max(int((w == 0).sum()) for w in weights if w.size == kernel.size)
+    assert zeros == int((kernel == 0).sum())
+
+
+def test_inference_report(trained, data, tmp_path):
+    _, (xv, yv) = data
+    r = kp.inference_report(
+        trained,
+        xv[:64],
+        yv[:64],
+        batch_sizes=(1, 8),
+        formats=["keras", "onnx", "onnx-int8"],
+        repeats=2,
+        pause=0.0,
+    )
+    assert [(row["format"], row["batch_size"]) for row in r.rows] == [
+        (f, b) for b in (1, 8) for f in ("keras", "onnx", "onnx-int8")
+    ]
+    by = {(row["format"], row["batch_size"]): row for row in r.rows}
+    assert by["onnx", 1]["agreement"] == 1.0
+    assert by["onnx-int8", 8]["agreement"] >= 0.95
+    assert by["onnx-int8", 8]["bytes"] < by["onnx", 8]["bytes"]
+    assert by["keras", 1]["accuracy"] == accuracy(trained.predict(xv[:64], verbose=0), yv[:64])
+    for row in r.rows:
+        assert 0 < row["latency_ms_p50"] <= row["latency_ms_p90"]
+        assert row["examples_per_s"] == pytest.approx(
+            row["batch_size"] / row["latency_ms_p50"] * 1e3
+        )
+    text = str(r)
+    assert "onnx-int8" in text and "p50 ms" in text
+    assert r.to_dict()["rows"] == r.rows
+    r.plot(tmp_path / "inference.png")
+    assert (tmp_path / "inference.png").stat().st_size > 0
+    with pytest.raises(ValueError, match="not one of"):
+        kp.inference_report(trained, xv, formats=["onnx-int4"])
+    with pytest.raises(ValueError, match="batch_sizes"):
+        kp.inference_report(trained, xv, batch_sizes=(0,))
+
+
+def test_qat_sequential_with_softmax(tmp_path):
+    # The softmax is split from its Dense by a quantizer (`quantize_aware`); ORT fixes a
+    # softmax output's range to [0, 1], the learned one is close to it.
+    keras.utils.set_random_seed(2)
+    model = keras.Sequential(
+        [
+            keras.Input((16,)),
+            keras.layers.Dense(32, activation="relu"),
+            keras.layers.Dense(8, activation="softmax"),
+        ]
+    )
+    x = np.random.rand(256, 16).astype("float32")
+    qat = kp.quantize_aware(model)
+    qat(x, training=True)
+    report = kp.export_onnx(qat, tmp_path / "seq.onnx", "int8")
+    diff = np.abs(kp.onnx_predict(report["path"], x) - qat.predict(x, verbose=0))
+    assert diff.max() <= 2 / 255
+    with pytest.raises(ValueError, match="8-bit activations"):
+        kp.export_onnx(kp.quantize_aware(model, activation_bits=16), tmp_path / "a.onnx", "int8")
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="TFLite on JAX/torch: a TF child process")
+def test_inference_report_with_tflite(trained, data):
+    _, (xv, yv) = data
+    r = kp.inference_report(
+        trained, xv[:32], yv[:32], batch_sizes=(4,), formats=["tflite", "tflite-int8"], repeats=2
+    )
+    by = {row["format"]: row for row in r.rows}
+    assert by["tflite"]["agreement"] == 1.0
+    assert by["tflite-int8"]["agreement"] >= 0.9
+    assert by["tflite-int8"]["bytes"] < by["tflite"]["bytes"]
+
+
+def test_docstring_examples_run():
+    import doctest
+
+    runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS)
+    for fn in (kp.export_onnx, kp.onnx_predict, kp.inference_report):
+        for test in doctest.DocTestFinder().find(fn, globs={}):
+            runner.run(test)
+    assert runner.tries >= 10 and runner.failures == 0

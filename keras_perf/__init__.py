@@ -24,6 +24,7 @@ else:
     from keras_perf.distillation import DistillationModel, precompute_teacher_logits
     from keras_perf.export import compression_report, export_tflite, tflite_predict
     from keras_perf.flops import estimate_flops_per_example, peak_flops_for_device
+    from keras_perf.lr_finder import find_learning_rate
     from keras_perf.mixed_precision import check_mixed_precision, setup_mixed_precision
     from keras_perf.monitor import TrainingMonitor
     from keras_perf.oom import find_max_microbatch, fit_with_oom_retry
@@ -69,6 +70,7 @@ __all__ = [
     "diagnose",
     "estimate_flops_per_example",
     "export_tflite",
+    "find_learning_rate",
     "find_max_microbatch",
     "fit_with_oom_retry",
     "is_quantized_model",

@@ -24,24 +24,23 @@ the median ratio of wall and of process CPU time. The absolute per-call latencie
 
 Run:
 
-    KERAS_BACKEND=torch python benchmarks/bench_inference.py [--quick] [--json out.json]
+    KERAS_BACKEND=torch python -m benchmarks.bench_inference [--quick] [--json out.json]
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-from _harness import digits, finish, mlp, parse_args, row, summarize, timed  # noqa: E402
+import keras
+import numpy as np
 
-import keras_perf as kp  # noqa: E402
-from keras_perf.backend import onnx as _onnx  # noqa: E402
-from keras_perf.export._onnx_predict import feeds  # noqa: E402
+import keras_perf as kp
+from keras_perf.backend import onnx as _onnx
+from keras_perf.export._onnx_predict import feeds
+
+from ._harness import digits, finish, mlp, parse_args, row, summarize, timed
 
 PAUSE = 0.05
 

@@ -52,6 +52,7 @@ _EXPORTS = {
     "tflite_predict": "keras_perf.export",
     "estimate_flops_per_example": "keras_perf.flops",
     "peak_flops_for_device": "keras_perf.flops",
+    "find_learning_rate": "keras_perf.lr_finder",
     "check_mixed_precision": "keras_perf.mixed_precision",
     "setup_mixed_precision": "keras_perf.mixed_precision",
     "TrainingMonitor": "keras_perf.monitor",

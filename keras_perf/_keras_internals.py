@@ -173,7 +173,12 @@ def accumulated_gradients(optimizer) -> list:
 
 
 def learning_rate_source(optimizer):
-    """The schedule or variable behind `learning_rate` (`_learning_rate`)."""
+    """The schedule, callable or variable behind `learning_rate` (`_learning_rate`).
+
+    Keras' public `optimizer.learning_rate` returns the value of a schedule, not the schedule,
+    and its setter untracks the variable when anything but a number is assigned, so the object a
+    user passed can be read back (and put back) only here.
+    """
     return optimizer._learning_rate
 
 

@@ -27,6 +27,7 @@ else:
     from keras_perf.mixed_precision import check_mixed_precision, setup_mixed_precision
     from keras_perf.monitor import TrainingMonitor
     from keras_perf.oom import find_max_microbatch, fit_with_oom_retry
+    from keras_perf.precision import precision_report
     from keras_perf.pruning import (
         ConstantSparsity,
         PolynomialDecay,
@@ -74,6 +75,7 @@ __all__ = [
     "is_quantized_model",
     "loss_scaled",
     "peak_flops_for_device",
+    "precision_report",
     "precompute_teacher_logits",
     "prune_low_magnitude",
     "quantization_report",

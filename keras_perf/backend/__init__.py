@@ -28,6 +28,9 @@ Interface (every implementation module provides these names):
   and ``moving_average_fake_quant``: the QAT kernel and activation quantizers in torch ops.
 - ``model_scope(model)`` (optional; TensorFlow only): the scope of the tf.distribute strategy
   `model` was created under, in which a model sharing its layers must be created.
+- ``kernel_op(op, dtype, size) -> callable``: one matmul (``op="matmul"``) or 3x3 convolution
+  (``"conv"``) in `dtype` on the backend's default device, run by calling it (it returns once
+  the result exists); raises where the dtype has no kernel. `keras_perf.precision` times it.
 
 Beside each, ``train_step_<backend>.py`` holds that backend's ``TrainStep`` (a subclass of
 ``keras_perf._train_step_base.TrainStepBase``), which ``keras_perf/train_step.py`` picks once
@@ -67,6 +70,7 @@ fake_quant_kernel = getattr(_impl, "fake_quant_kernel", None)
 moving_average_fake_quant = getattr(_impl, "moving_average_fake_quant", None)
 carry_in_step_state = getattr(_impl, "carry_in_step_state", lambda model, variables: True)
 release_step_state = getattr(_impl, "release_step_state", lambda model, variables: None)
+kernel_op = _impl.kernel_op
 
 
 def any_worker(flag: bool, model=None) -> bool:

@@ -250,6 +250,20 @@ def _decide(device: dict, speedup: dict, measure_steps) -> tuple[str, str]:
     )
 
 
+def measured_peak_flops(dtype: str) -> float | None:
+    """Measured matmul FLOP/s of `dtype` on this backend and device: the peak MFU is taken
+    against on a CPU, where no data sheet applies. Uses this process's precision report where
+    there is one, else times the matmuls and convolutions alone (about a second, once)."""
+    report = _CACHE.get("report")
+    if report is not None:
+        tflops = report["tflops"].get(dtype)
+    else:
+        if _CACHE.get("kernels") is None:
+            _CACHE["kernels"] = _measure_kernels(_device()["kind"] == "CPU")
+        tflops = _CACHE["kernels"]["matmul"].get(dtype, (None, None))[0]
+    return None if tflops is None else tflops * 1e12
+
+
 def precision_report(refresh: bool = False) -> PrecisionReport:
     """Measure which precision is fastest on this backend and device; cached per process.
 
@@ -288,7 +302,8 @@ def precision_report(refresh: bool = False) -> PrecisionReport:
     start = time.perf_counter()
     device = _device()
     on_cpu = device["kind"] == "CPU"
-    kernels = _measure_kernels(on_cpu)
+    kernels = _CACHE.get("kernels") if not refresh else None
+    kernels = kernels or _measure_kernels(on_cpu)
     speedup = {"matmul": None, "conv": None, "dense_step": None, "conv_step": None}
     for op, per_dtype in kernels.items():
         f32 = per_dtype["float32"][1]
@@ -308,7 +323,7 @@ def precision_report(refresh: bool = False) -> PrecisionReport:
             "seconds": time.perf_counter() - start,
         }
     )
-    _CACHE["report"] = report
+    _CACHE.update(report=report, kernels=kernels)
     return report
 
 

@@ -55,6 +55,7 @@ _EXPORTS = {
     "find_learning_rate": "keras_perf.lr_finder",
     "check_mixed_precision": "keras_perf.mixed_precision",
     "setup_mixed_precision": "keras_perf.mixed_precision",
+    "precision_report": "keras_perf.precision",
     "TrainingMonitor": "keras_perf.monitor",
     "find_max_microbatch": "keras_perf.oom",
     "fit_with_oom_retry": "keras_perf.oom",

@@ -141,7 +141,7 @@ def doctor(args: argparse.Namespace) -> int:
         ("torch", _version("torch")),
         ("tensorflow-model-optimization", tfmot),
         ("global dtype policy", keras.mixed_precision.global_policy().name),
-        ("policy 'auto' would pick", kp.mixed_precision.auto_policy()),
+        ("policy 'auto' would pick", kp.precision_report()["policy"]),
     ]
     print(_table(env_rows, "keras-perf doctor"))
     print()
@@ -153,6 +153,8 @@ def doctor(args: argparse.Namespace) -> int:
             (d["kind"], f"{d['name']}  memory {_fmt_bytes(d['memory_bytes'])}  {cc}".rstrip())
         )
     print(_table(dev_rows, "devices"))
+    print()
+    print(kp.precision_report())
     return 0
 
 

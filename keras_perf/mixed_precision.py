@@ -6,6 +6,7 @@ import keras
 
 from keras_perf import backend as _backend
 from keras_perf._utils import check_choice, iter_layers
+from keras_perf.precision import precision_report, slower_than_float32
 
 __all__ = ["setup_mixed_precision", "check_mixed_precision", "auto_policy"]
 
@@ -14,7 +15,10 @@ _HALF = ("float16", "bfloat16")
 
 
 def auto_policy(devices: list[dict] | None = None) -> str:
-    """The policy `setup_mixed_precision("auto")` would choose for `devices`.
+    """The policy the device rule picks for `devices` (GPUs and TPUs; float32 on CPUs).
+
+    `setup_mixed_precision("auto")` follows this rule where an accelerator is visible and
+    `kp.precision_report()`'s measurement on a CPU.
 
     Args:
         devices: Device dicts as returned by `kp.device_report()`. Defaults to the devices of
@@ -35,15 +39,21 @@ def auto_policy(devices: list[dict] | None = None) -> str:
 def setup_mixed_precision(policy: str = "auto") -> str:
     """Set Keras' global dtype policy and return its name.
 
-    `"auto"` picks:
+    `"auto"` picks the policy `kp.precision_report()` measured fastest here:
 
-    - `"mixed_float16"` when every visible GPU is a CUDA GPU of compute capability >= 7.0
-      (Volta and newer have float16 tensor cores). float16 is chosen over bfloat16 even on
-      Ampere and newer because it runs on every such GPU at the same tensor-core speed and
-      keras-perf's train step makes its loss scaling free and visible; pass
-      `"mixed_bfloat16"` yourself on compute capability >= 8.0 to skip loss scaling entirely.
-    - `"mixed_bfloat16"` on TPU, whose matrix units compute in bfloat16.
-    - `"float32"` on CPU and older GPUs, where half precision is emulated and slower.
+    - on GPUs and TPUs, by device: `"mixed_float16"` when every visible GPU is a CUDA GPU of
+      compute capability >= 7.0 (Volta and newer have float16 tensor cores; float16 over
+      bfloat16 even on Ampere and newer because it runs on every such GPU at the same
+      tensor-core speed and keras-perf's train step makes its loss scaling free and visible:
+      pass `"mixed_bfloat16"` yourself on compute capability >= 8.0 to skip loss scaling);
+      `"mixed_bfloat16"` on TPU, whose matrix units compute in bfloat16; `"float32"` on older
+      GPUs;
+    - on a CPU, by measurement: `"mixed_bfloat16"` when a Keras training step of a small Dense
+      and a small Conv model both run >= 1.3x as fast in it as in float32 (CPUs with AMX or
+      AVX-512 BF16 units on TensorFlow: 1.6x measured, whole `fit` epochs 1.8-2.6x), else
+      `"float32"` (JAX, whose XLA CPU backend has no fast bfloat16 path, 0.6-0.9x on kernels;
+      torch, whose bfloat16 kernels are fast but whose Keras training steps are not).
+      float16 is never picked on a CPU: it measured 0.7-0.95x float32 on all three backends.
 
     Under a mixed policy keep the model's last layer in float32
     (`Dense(..., dtype="float32")`): `kp.check_mixed_precision(model)` reports it otherwise.
@@ -66,7 +76,7 @@ def setup_mixed_precision(policy: str = "auto") -> str:
     if not isinstance(policy, str):
         raise TypeError(f"`policy` must be a string, one of {POLICIES}; got {policy!r}.")
     check_choice("policy", policy, POLICIES)
-    name = auto_policy() if policy == "auto" else policy
+    name = precision_report()["policy"] if policy == "auto" else policy
     keras.mixed_precision.set_global_policy(name)
     return name
 
@@ -104,7 +114,9 @@ def check_mixed_precision(model: keras.Model) -> list[str]:
     - a model with a custom `train_step` compiled under `mixed_float16` with an optimizer that
       is not a `LossScaleOptimizer` (gradients underflow), unless the model uses
       `kp.LossScaleTrainStep`, which scales the loss itself;
-    - `mixed_float16` with no GPU (float16 arithmetic is emulated on CPU and slower).
+    - a policy that `kp.precision_report()` measured slower than float32 on this backend and
+      device (e.g. `mixed_float16` on a CPU, `mixed_bfloat16` on JAX's CPU backend); this
+      measures once per process (a few seconds) when the policy is not float32.
 
     Args:
         model: A built Keras model.
@@ -163,9 +175,11 @@ def check_mixed_precision(model: keras.Model) -> list[str]:
                 "optimizer.scale_loss(loss), or subclass kp.LossScaleTrainStep."
             )
 
-    if uses_fp16 and not any(d["kind"] == "GPU" for d in _backend.list_devices()):
-        findings.append(
-            "The policy is mixed_float16 but no GPU is visible: float16 arithmetic is emulated "
-            "on CPU and slower than float32. Use kp.setup_mixed_precision('auto')."
-        )
+    for policy in dict.fromkeys((global_policy, model_policy)):
+        slower = slower_than_float32(policy)
+        if slower:
+            findings.append(
+                f"{slower}. Use kp.setup_mixed_precision('auto'), which picks "
+                f"'{precision_report()['policy']}' here."
+            )
     return findings

@@ -742,3 +742,36 @@ def test_append_bytes_cuts_a_torn_record_back(tmp_path, monkeypatch):
     monkeypatch.undo()
     append_bytes(path, b"third\n")
     assert open(path, "rb").read() == b"first\nthird\n"
+
+
+@pytest.mark.skipif(kp.backend.has_accelerator(), reason="a CPU's measured peak")
+@pytest.mark.parametrize("policy, tflops", [("float32", 0.5), ("mixed_bfloat16", 2.0)])
+def test_mfu_on_cpu_uses_the_measured_peak_of_the_compute_dtype(
+    monkeypatch, digits, policy, tflops
+):
+    from keras_perf import precision
+
+    report = precision.PrecisionReport(
+        {"tflops": {"float32": 0.5, "bfloat16": 2.0, "float16": None}, "policy": "float32"}
+    )
+    monkeypatch.setattr(precision, "_CACHE", {"report": report})
+    keras.mixed_precision.set_global_policy(policy)
+    (x, y), _ = digits
+    model = _mlp()
+    mon = kp.TrainingMonitor()
+    model.fit(x[:64], y[:64], batch_size=32, epochs=2, callbacks=[mon], verbose=0)
+    flops = 6 * (64 * 16 + 16 * 10)
+    for r in mon.history:
+        assert r["mfu"] == pytest.approx(flops * r["examples_per_s"] / (tflops * 1e12))
+
+
+@pytest.mark.skipif(kp.backend.has_accelerator(), reason="a CPU's measured peak")
+def test_no_mfu_on_cpu_where_the_compute_dtype_cannot_run(monkeypatch, digits):
+    from keras_perf import precision
+
+    report = precision.PrecisionReport({"tflops": {"float32": None}, "policy": "float32"})
+    monkeypatch.setattr(precision, "_CACHE", {"report": report})
+    (x, y), _ = digits
+    mon = kp.TrainingMonitor()
+    _mlp().fit(x[:64], y[:64], batch_size=32, epochs=1, callbacks=[mon], verbose=0)
+    assert "mfu" not in mon.history[0] or mon.history[0]["mfu"] is None

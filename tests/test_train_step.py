@@ -315,7 +315,7 @@ def test_no_scaling_under_float32_and_bfloat16():
     model.compile("adam", SCE)
     assert model.loss_scale_optimizer is None
     x, y = _data(n=8)
-    assert "loss_scale" not in model.train_on_batch(x, y, return_dict=True)
+    assert float(model.train_on_batch(x, y, return_dict=True)["loss_scale"]) == 1.0
 
 
 def test_overflow_steps_are_skipped_and_scale_backs_off():
@@ -774,3 +774,55 @@ def test_property_microbatched_update_equals_full_batch(
     for a, b in zip(*weights):
         np.testing.assert_allclose(a, b, atol=1e-5)
     np.testing.assert_allclose(logs[0], logs[1], rtol=1e-5, atol=1e-6)
+
+
+# -- bfloat16: no loss scaling, float32 master weights, float32 gradients and norms ------------
+
+
+def _bf16_mlp(seed=0):
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    return models.mlp([16], 6, 3, activation="tanh", seed=seed, dtype="float32")
+
+
+def test_bfloat16_logs_loss_scale_one_and_keeps_float32_master_weights():
+    model = kp.loss_scaled(_bf16_mlp())
+    model.compile(keras.optimizers.Adam(0.01), SCE)
+    assert model.loss_scale_optimizer is None
+    assert not isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+    assert model.layers[0].compute_dtype == "bfloat16"
+    x, y = _data(n=16)
+    logs = model.train_on_batch(x, y, return_dict=True)
+    # No scaling, yet the key is there, so code reading logs["loss_scale"] works under any policy.
+    assert float(logs["loss_scale"]) == 1.0
+    assert float(logs["skipped_steps"]) == 0.0
+    assert {v.dtype for v in model.trainable_weights} == {"float32"}
+    assert {v.dtype for v in model.optimizer.variables if "iteration" not in v.path} == {"float32"}
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_bfloat16_gradients_and_norm_are_float32(k):
+    # SGD(1.0): the update is the gradient itself, read back from float32 weights. A norm
+    # summed in bfloat16 would be off by up to 2**-9 (0.2%); float32 agrees to 1e-5.
+    x, y = _data(n=32)
+    model = kp.loss_scaled(_bf16_mlp(), microbatches=k)
+    model.compile(keras.optimizers.SGD(1.0), SCE)
+    before = [np.asarray(w, "float64") for w in model.get_weights()]
+    logs = model.train_on_batch(x, y, return_dict=True)
+    grads = [b - np.asarray(w, "float64") for b, w in zip(before, model.get_weights())]
+    norm = np.sqrt(sum(float((g**2).sum()) for g in grads))
+    assert norm > 0
+    np.testing.assert_allclose(float(logs["grad_norm"]), norm, rtol=1e-5)
+
+
+def test_bfloat16_microbatches_give_the_full_batch_update():
+    x, y = _data(n=40)
+    ref = _bf16_mlp()  # stock Keras under mixed_bfloat16
+    ref.compile(keras.optimizers.SGD(0.1), SCE)
+    ref.fit(x, y, batch_size=20, epochs=2, shuffle=False, verbose=0)
+    for k in (1, 4):
+        ours = kp.loss_scaled(_bf16_mlp(), microbatches=k)
+        ours.compile(keras.optimizers.SGD(0.1), SCE)
+        ours.fit(x, y, batch_size=20, epochs=2, shuffle=False, verbose=0)
+        # k=1 is stock Keras' arithmetic; k=4 sums four bfloat16 slice gradients in float32,
+        # which differs from one bfloat16 full-batch gradient by bfloat16 rounding only.
+        assert _max_diff(ref, ours) < (1e-6 if k == 1 else 5e-3), k

@@ -40,6 +40,9 @@ Interface (every implementation module provides these names):
   parallel_map=False)``: tf.data pipelines, on every backend (tf.data runs beside any Keras
   backend with TensorFlow installed), so they always come from the ``tensorflow`` module,
   imported at their first call.
+- ``kernel_op(op, dtype, size) -> callable``: one matmul (``op="matmul"``) or 3x3 convolution
+  (``"conv"``) in `dtype` on the backend's default device, run by calling it (it returns once
+  the result exists); raises where the dtype has no kernel. `keras_perf.precision` times it.
 
 Every optional name is defined here on every backend, with a neutral default where the
 implementation has none (`any_worker` returns `flag`, `is_multi_worker` False, `model_scope`
@@ -102,6 +105,7 @@ __all__ = [
     "is_multi_worker",
     "is_oom",
     "is_oom_error",
+    "kernel_op",
     "list_devices",
     "memory_stats",
     "model_scope",
@@ -126,6 +130,7 @@ fake_quant_kernel = getattr(_impl, "fake_quant_kernel", None)
 moving_average_fake_quant = getattr(_impl, "moving_average_fake_quant", None)
 carry_in_step_state = getattr(_impl, "carry_in_step_state", lambda model, variables: True)
 release_step_state = getattr(_impl, "release_step_state", lambda model, variables: None)
+kernel_op = _impl.kernel_op
 
 
 def any_worker(flag: bool, model=None) -> bool:

@@ -192,3 +192,30 @@ def release_step_state(model, variables) -> None:
         for opt in chain:
             opt.__dict__.pop("save_own_variables", None)
             opt.__dict__.pop("load_own_variables", None)
+
+
+def kernel_op(op: str, dtype: str, size: int):
+    """A callable running one jitted `op` ("matmul": two size x size matrices; "conv": a 3x3
+    convolution, batch 16, size x size x 64, NHWC) in `dtype` on JAX's default device,
+    returning once the result exists. Raises where the dtype has no kernel for the op."""
+    import jax.numpy as jnp
+
+    if op == "matmul":
+        shapes = ((size, size), (size, size))
+        fn = jnp.matmul
+    else:
+        shapes = ((16, size, size, 64), (3, 3, 64, 64))
+
+        def fn(x, k):
+            return jax.lax.conv_general_dilated(
+                x, k, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+            )
+
+    keys = jax.random.split(jax.random.PRNGKey(0))
+    a, b = (jax.random.uniform(k, s, minval=-1.0).astype(dtype) for k, s in zip(keys, shapes))
+    step = jax.jit(fn)
+
+    def run():
+        return float(step(a, b).block_until_ready().reshape(-1)[0])
+
+    return run

@@ -162,3 +162,22 @@ def tf_data_tuned(dataset, cache: bool = False, parallel_map: bool = False):
         options.experimental_optimization.map_parallelization = True
         dataset = dataset.with_options(options)
     return dataset.prefetch(tf.data.AUTOTUNE)
+
+
+def kernel_op(op: str, dtype: str, size: int):
+    """A callable running one `op` ("matmul": two size x size matrices; "conv": a 3x3
+    convolution, batch 16, size x size x 64, NHWC) in `dtype` on TensorFlow's default device,
+    returning once the result exists. Raises where the dtype has no kernel for the op."""
+    shape = (
+        ((size, size), (size, size)) if op == "matmul" else ((16, size, size, 64), (3, 3, 64, 64))
+    )
+    a = tf.cast(tf.random.uniform(shape[0], -1.0, 1.0), dtype)
+    b = tf.cast(tf.random.uniform(shape[1], -1.0, 1.0), dtype)
+    fn = tf.linalg.matmul if op == "matmul" else (lambda x, k: tf.nn.conv2d(x, k, 1, "SAME"))
+    step = tf.function(fn, jit_compile=False)
+
+    def run():
+        y = step(a, b)
+        return float(tf.reshape(y, [-1])[0])  # copying one element waits for the result
+
+    return run

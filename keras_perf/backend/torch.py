@@ -174,3 +174,28 @@ def global_rng_state():
 
 def set_global_rng_state(state) -> None:
     torch.random.set_rng_state(state)
+
+
+def kernel_op(op: str, dtype: str, size: int):
+    """A callable running one `op` ("matmul": two size x size matrices; "conv": a 3x3
+    convolution, batch 16, 64 x size x size) in `dtype` on the device Keras uses (CUDA when
+    available), returning once the result exists. Raises where the dtype has no kernel."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dt = getattr(torch, dtype)
+    if op == "matmul":
+        a = torch.rand(size, size, device=device).to(dt)
+        b = torch.rand(size, size, device=device).to(dt)
+        fn = torch.matmul
+    else:
+        a = torch.rand(16, 64, size, size, device=device).to(dt)
+        b = torch.rand(64, 64, 3, 3, device=device).to(dt)
+
+        def fn(x, k):
+            return torch.nn.functional.conv2d(x, k, padding=1)
+
+    def run():
+        with torch.no_grad():
+            y = fn(a, b)
+        return float(y.reshape(-1)[0])  # .item() waits for the result
+
+    return run

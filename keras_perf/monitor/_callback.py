@@ -26,6 +26,7 @@ from keras_perf.flops import estimate_flops_per_example, peak_flops_for_device
 from keras_perf.monitor._meter import EpochMeter
 from keras_perf.monitor._report import MONITOR_KEYS, plot_history, summarize, write_csv
 from keras_perf.monitor._report import is_number as _is_number
+from keras_perf.precision import measured_peak_flops
 
 __all__ = ["TrainingMonitor"]
 
@@ -56,7 +57,8 @@ class TrainingMonitor(keras.callbacks.Callback):
     - `loss_scale` when the optimizer scales the loss;
     - `mfu` when FLOPs per example and peak FLOP/s are known: given, or estimated
       (`kp.estimate_flops_per_example`: 3 x forward multiply-adds of Dense/Conv layers, i.e.
-      6 x params for an MLP; `kp.peak_flops_for_device`: a table of known GPUs).
+      6 x params for an MLP; `kp.peak_flops_for_device`: a table of known GPUs; on a CPU the
+      measured matmul FLOP/s of the model's compute dtype, from `kp.precision_report()`).
 
     Timing adds no device synchronisation per batch and keeps Keras' asynchronous dispatch on
     JAX and PyTorch (`async_safe = True`); see the `keras_perf.monitor` docstring for how.
@@ -82,7 +84,9 @@ class TrainingMonitor(keras.callbacks.Callback):
         flops_per_example: Training FLOPs per example, or `None` to estimate them for
             Dense/Conv models (no MFU when unknown). Defaults to `None`.
         peak_flops: Peak FLOP/s of the device, or `None` to look the accelerator up in a
-            small table (none on CPU: no MFU). Defaults to `None`.
+            small table, or on a CPU to measure its matmul FLOP/s in the model's compute dtype
+            (`kp.precision_report()`'s `tflops`; about a second, once per process, and only
+            when the FLOPs per example are known). Defaults to `None`.
         step_timing: Time every step for the percentiles. With `False` the batch hooks do
             nothing, the step count comes from Keras' `params["steps"]` and the percentiles are
             absent. Defaults to `True`.
@@ -187,6 +191,10 @@ class TrainingMonitor(keras.callbacks.Callback):
         self._peak = self.peak_flops
         if self._peak is None and self._accelerator:
             self._peak = peak_flops_for_device()
+        elif self._peak is None and self._flops:
+            # A CPU's peak is its measured matmul throughput in the model's compute dtype.
+            dtype = getattr(self.model.dtype_policy, "compute_dtype", None)
+            self._peak = measured_peak_flops(dtype or "float32")
 
     def on_train_end(self, logs=None) -> None:
         if self._writer is None or not self._writer.is_open:

@@ -135,6 +135,6 @@ class TrainStep(TrainStepBase):
             scope.get_current_value(v) if scope.get_current_value(v) is not None else value
             for v, value in mapping
         ]
-        if lso is not None:
-            logs["loss_scale"] = optimizer_vars[scale_index]
+        # No loss scaling (bfloat16, float32): the scale is 1, logged so code reading it works.
+        logs["loss_scale"] = optimizer_vars[scale_index] if lso is not None else ops.ones(())
         return logs, (trainable, non_trainable, optimizer_vars, metrics_vars)

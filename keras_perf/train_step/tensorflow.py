@@ -266,6 +266,8 @@ class TrainStep(TrainStepBase):
         logs = self.get_metrics_result()
         if self.loss_scale_optimizer is not None:
             logs["loss_scale"] = tf.identity(self.loss_scale_optimizer.dynamic_scale)
+        else:  # no loss scaling (bfloat16, float32): the scale is 1, logged all the same
+            logs["loss_scale"] = tf.ones(())
         if is_multi_worker(self):
             # Keras reduces each log with strategy.reduce("MEAN", v, axis=0) under
             # MultiWorkerMirroredStrategy, which needs a leading axis: give each value one.

@@ -103,4 +103,6 @@ class TrainStep(TrainStepBase):
         logs = self.get_metrics_result()
         if self.loss_scale_optimizer is not None:
             logs["loss_scale"] = self.loss_scale_optimizer.dynamic_scale.value.detach().clone()
+        else:  # no loss scaling (bfloat16, float32): the scale is 1, logged all the same
+            logs["loss_scale"] = keras.ops.ones(())
         return logs

@@ -4,36 +4,13 @@ from __future__ import annotations
 
 import keras
 
-from keras_perf import backend as _backend
 from keras_perf._utils import check_choice, iter_layers
-from keras_perf.precision import precision_report, slower_than_float32
+from keras_perf.precision import auto_policy, precision_report, slower_than_float32
 
 __all__ = ["setup_mixed_precision", "check_mixed_precision", "auto_policy"]
 
 POLICIES = ("auto", "mixed_float16", "mixed_bfloat16", "float32")
 _HALF = ("float16", "bfloat16")
-
-
-def auto_policy(devices: list[dict] | None = None) -> str:
-    """The policy the device rule picks for `devices` (GPUs and TPUs; float32 on CPUs).
-
-    `setup_mixed_precision("auto")` follows this rule where an accelerator is visible and
-    `kp.precision_report()`'s measurement on a CPU.
-
-    Args:
-        devices: Device dicts as returned by `kp.device_report()`. Defaults to the devices of
-            the current backend.
-
-    Returns:
-        `"mixed_float16"`, `"mixed_bfloat16"` or `"float32"`.
-    """
-    devices = _backend.list_devices() if devices is None else devices
-    gpus = [d for d in devices if d["kind"] == "GPU"]
-    if gpus and all((d.get("compute_capability") or (0, 0)) >= (7, 0) for d in gpus):
-        return "mixed_float16"
-    if any(d["kind"] == "TPU" for d in devices):
-        return "mixed_bfloat16"
-    return "float32"
 
 
 def setup_mixed_precision(policy: str = "auto") -> str:

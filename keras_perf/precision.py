@@ -215,10 +215,30 @@ def _measure_steps() -> dict:
     return out
 
 
+def auto_policy(devices: list[dict] | None = None) -> str:
+    """The policy the device rule picks for `devices` (GPUs and TPUs; float32 on CPUs).
+
+    `setup_mixed_precision("auto")` follows this rule where an accelerator is visible and
+    `kp.precision_report()`'s measurement on a CPU.
+
+    Args:
+        devices: Device dicts as returned by `kp.device_report()`. Defaults to the devices of
+            the current backend.
+
+    Returns:
+        `"mixed_float16"`, `"mixed_bfloat16"` or `"float32"`.
+    """
+    devices = _backend.list_devices() if devices is None else devices
+    gpus = [d for d in devices if d["kind"] == "GPU"]
+    if gpus and all((d.get("compute_capability") or (0, 0)) >= (7, 0) for d in gpus):
+        return "mixed_float16"
+    if any(d["kind"] == "TPU" for d in devices):
+        return "mixed_bfloat16"
+    return "float32"
+
+
 def _decide(device: dict, speedup: dict, measure_steps) -> tuple[str, str]:
     """The policy `"auto"` picks and why; `measure_steps()` runs only where it decides."""
-    from keras_perf.mixed_precision import auto_policy
-
     if device["kind"] != "CPU":
         policy = auto_policy()
         return policy, (

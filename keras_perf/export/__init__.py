@@ -23,7 +23,3 @@ from keras_perf.export._convert import export_tflite
 from keras_perf.export._predict import tflite_predict
 
 __all__ = ["compression_report", "export_tflite", "tflite_predict"]
-
-# `doctest.testmod(keras_perf.export)` runs the examples of the public names' docstrings,
-# which live in the parts.
-__test__ = {name: globals()[name] for name in __all__}

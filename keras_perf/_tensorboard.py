@@ -61,9 +61,13 @@ class ScalarWriter:
         log_dir: Folder for the event file (created with its parents).
 
     Example:
-        >>> w = ScalarWriter("logs/run1")  # doctest: +SKIP
-        >>> w.scalar("loss", 0.5, step=1)  # doctest: +SKIP
-        >>> w.flush()  # doctest: +SKIP
+        >>> import os
+        >>> w = ScalarWriter("logs/run1")
+        >>> w.scalar("loss", 0.5, step=1)
+        >>> w.flush()
+        >>> w.close()
+        >>> len(os.listdir("logs/run1"))
+        1
     """
 
     def __init__(self, log_dir: str | os.PathLike) -> None:

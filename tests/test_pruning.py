@@ -726,16 +726,6 @@ def test_get_config_round_trips():
     assert restored.m_by_n == (2, 4)
 
 
-def test_docstring_examples_run():
-    import doctest
-
-    import keras_perf.pruning as module
-
-    globs = {"kp": kp, "keras": keras, "np": np}
-    result = doctest.testmod(module, extraglobs=globs, optionflags=doctest.ELLIPSIS)
-    assert result.attempted >= 10 and result.failed == 0, result
-
-
 # --------------------------------------------------------------------------------------------
 # regressions: restored weights, two callbacks, unreachable schedules, unbuilt models,
 # bit-exact schedules, schedule serialisation, resumes

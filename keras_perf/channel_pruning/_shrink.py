@@ -52,6 +52,9 @@ def shrink(model):
     >>> kernel, bias = model.layers[0].get_weights()
     >>> kernel[:, :3] = 0; bias[:3] = 0        # as the callback's masks leave them
     >>> model.layers[0].set_weights([kernel, bias])
+    >>> kernel, bias = model.layers[1].get_weights()
+    >>> kernel[:3] = 0                          # the consumer's input rows too
+    >>> model.layers[1].set_weights([kernel, bias])
     >>> kp.shrink(model).get_layer("hidden").units
     1
     """

@@ -39,7 +39,3 @@ __all__ = [
     "onnx_predict",
     "tflite_predict",
 ]
-
-# `doctest.testmod(keras_perf.export)` runs the examples of the public names' docstrings,
-# which live in the parts.
-__test__ = {name: globals()[name] for name in __all__}

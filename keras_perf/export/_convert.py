@@ -120,7 +120,7 @@ def export_tflite(
         >>> import keras, numpy as np, keras_perf as kp
         >>> model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
         >>> x = np.random.rand(64, 8).astype("float32")
-        >>> report = kp.export_tflite(model, "/tmp/m.tflite", "int8", representative_data=x)
+        >>> report = kp.export_tflite(model, "m.tflite", "int8", representative_data=x)
         >>> report["input_dtype"], report["bytes"] < 10_000
         ('int8', True)
     """

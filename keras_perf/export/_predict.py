@@ -54,9 +54,9 @@ def tflite_predict(path: str | os.PathLike | bytes, x, batch_size: int = 256, nu
     Example:
         >>> import keras, numpy as np, keras_perf as kp
         >>> model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
-        >>> _ = kp.export_tflite(model, "/tmp/m.tflite")
+        >>> _ = kp.export_tflite(model, "m.tflite")
         >>> x = np.random.rand(5, 8).astype("float32")
-        >>> bool(np.allclose(kp.tflite_predict("/tmp/m.tflite", x), model.predict(x, verbose=0),
+        >>> bool(np.allclose(kp.tflite_predict("m.tflite", x), model.predict(x, verbose=0),
         ...                  atol=1e-5))
         True
     """

@@ -105,11 +105,17 @@ class TrainingMonitor(keras.callbacks.Callback):
             under a file or cannot be created or written.
 
     Example:
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+        >>> model.compile("sgd", "mse")
+        >>> x, y = np.ones((40, 4)), np.zeros((40, 1))
         >>> mon = kp.TrainingMonitor(log_path="run.jsonl")
-        >>> model.fit(x, y, epochs=3, validation_split=0.2, callbacks=[mon])  # doctest: +SKIP
-        >>> mon.history[-1]["examples_per_s"]  # doctest: +SKIP
-        >>> mon.summary()["best"]  # doctest: +SKIP
-        >>> mon.plot("run.png")  # doctest: +SKIP
+        >>> _ = model.fit(x, y, epochs=2, validation_split=0.2, callbacks=[mon], verbose=0)
+        >>> len(mon.history), mon.history[-1]["examples"], mon.history[-1]["examples_per_s"] > 0
+        (2, 32, True)
+        >>> mon.summary()["best"]["metric"], mon.summary()["best"]["epoch"]
+        ('val_loss', 2)
+        >>> mon.plot("run.png")
+        'run.png'
     """
 
     def __init__(

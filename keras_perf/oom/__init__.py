@@ -35,7 +35,7 @@ The parts, in the order a batch `x` goes through a retry:
 - `_probe`: `find_max_microbatch`, one probing train step per micro-batch count.
 
 The runnable examples are in the docstrings of `fit_with_oom_retry` (`_retry`) and
-`find_max_microbatch` (`_probe`); `doctest.testmod(keras_perf.oom)` runs them (`__test__`).
+`find_max_microbatch` (`_probe`); tests/test_doctests.py runs them.
 """
 
 from __future__ import annotations
@@ -49,7 +49,3 @@ __all__ = ["fit_with_oom_retry", "find_max_microbatch"]
 # `PerUpdateSchedule` keeps `keras_perf.oom` as its module, as before the split into parts:
 # Keras writes it into serialized configs (`"module"`), and it shows in reprs and pickles.
 PerUpdateSchedule.__module__ = __name__
-
-# `doctest.testmod(keras_perf.oom)` runs the examples of the public names' docstrings, which
-# live in the parts (checked: 9 examples, all pass), as for keras_perf.pruning and .export.
-__test__ = {name: globals()[name] for name in __all__}

@@ -44,7 +44,3 @@ __all__ = [
 for _cls in (ConstantSparsity, PolynomialDecay, PruningCallback, PruningSchedule):
     _cls.__module__ = __name__
 del _cls
-
-# `doctest.testmod(keras_perf.pruning)` runs the examples of the public names' docstrings,
-# which live in the parts.
-__test__ = {name: globals()[name] for name in __all__}

@@ -101,9 +101,9 @@ class PruningCallback(_MaskingCallback):
     >>> model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
     ...                           keras.layers.Dense(10)])
     >>> model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    >>> pruning = kp.PruningCallback(kp.PolynomialDecay(0.0, 0.8, 0, 20, frequency=5))
-    >>> x, y = np.random.rand(320, 64), np.random.randint(0, 10, 320)
-    >>> history = model.fit(x, y, epochs=3, callbacks=[pruning], verbose=0)
+    >>> pruning = kp.PruningCallback(kp.PolynomialDecay(0.0, 0.8, 0, 10, frequency=5))
+    >>> x, y = np.random.rand(64, 64), np.random.randint(0, 10, 64)
+    >>> history = model.fit(x, y, batch_size=8, epochs=2, callbacks=[pruning], verbose=0)
     >>> round(history.history["sparsity"][-1], 2)
     0.8
     """

@@ -143,8 +143,11 @@ class MonitoringCallback(keras.callbacks.Callback):
         Example:
             >>> import keras_perf as kp
             >>> es = kp.EarlyStopping(patience=2)
-            >>> state = es.state_dict()
-            >>> kp.EarlyStopping(patience=2).load_state_dict(state)
+            >>> es.best, es.best_epoch = 0.5, 3  # as a fit leaves them
+            >>> restored = kp.EarlyStopping(patience=2)
+            >>> restored.load_state_dict(es.state_dict())
+            >>> restored.best, restored.best_epoch
+            (0.5, 3)
         """
         state = {key: getattr(self, key) for key in self._STATE_KEYS}
         state["epoch"] = self._last_epoch

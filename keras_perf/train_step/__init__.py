@@ -162,7 +162,9 @@ def loss_scaled(
         >>> model.layers[-1] is base.layers[-1]
         True
         >>> model.compile("adam", "mse")
-        >>> _ = model.fit(np.ones((8, 4)), np.ones((8, 2)), verbose=0)
+        >>> h = model.fit(np.ones((8, 4)), np.ones((8, 2)), verbose=0)
+        >>> sorted(h.history)
+        ['grad_norm', 'loss', 'skipped_steps']
     """
     if not isinstance(model, keras.Model):
         raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")

@@ -81,14 +81,12 @@ def _saved_before_forward(model):
     """(variable, value) for each non-trainable variable a skipped step restores, read now.
 
     A read is no copy: TensorFlow keeps the old buffer only while an assignment replaces it.
-    Under a strategy, in replica context, variables with aggregation "none" cannot be
-    assigned there, so no forward pass writes them: they are left out.
+    Under a tf.distribute strategy each replica reads (and restores) its own copy.
     """
-    replica = tf.distribute.has_strategy() and not tf.distribute.in_cross_replica_context()
     return [
         (v, tf.identity(v.value))
         for v, restore in zip(model.non_trainable_variables, model._kp_restored_on_skip())
-        if restore and not (replica and v.aggregation == "none")
+        if restore
     ]
 
 

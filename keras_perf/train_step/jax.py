@@ -117,10 +117,10 @@ class TrainStep(TrainStepBase):
         scale = optimizer_vars[scale_index] if lso is not None else None
         grads, finite, norm = self._kp_process_gradients(grads, scale)
         # A skipped step keeps no forward-pass update either (every slice's): the old values
-        # where the gradients are not finite. XLA drops the select for the variables the
-        # forward pass does not write (both operands are then the same value).
+        # where the gradients are not finite. A variable the forward pass left alone comes
+        # back as the same traced value and needs no select (XLA would drop it anyway).
         non_trainable = [
-            jax.numpy.where(finite, new, old) if restore else new
+            jax.numpy.where(finite, new, old) if restore and new is not old else new
             for new, old, restore in zip(non_trainable, before, self._kp_restored_on_skip())
         ]
         if lso is not None:

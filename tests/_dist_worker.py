@@ -112,6 +112,44 @@ def overflow_case(scope):
     }
 
 
+def batchnorm_skip_case(scope, microbatches):
+    """A BatchNormalization model; one Inf on the last replica's shard: every replica's copy
+    of every variable (moving statistics included) is left as it was; returns the largest
+    change (NaN counts as a change)."""
+    import keras
+    import numpy as np
+
+    import keras_perf as kp
+
+    x, y = data(n=GLOBAL_BATCH)
+    with scope():
+        keras.utils.set_random_seed(0)
+        base = keras.Sequential(
+            [
+                keras.Input((8,)),
+                keras.layers.Dense(16),
+                keras.layers.BatchNormalization(),
+                keras.layers.Dense(3),
+            ]
+        )
+        model = kp.loss_scaled(base, microbatches=microbatches)
+        model.compile(
+            keras.optimizers.Adam(0.01),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+    model.fit(x, y, batch_size=GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0)
+    before = [_replica_values(v) for v in model.variables]
+    bad = x.copy()
+    bad[-1, 0] = np.inf  # the last replica's shard (its second slice with microbatches=2)
+    hist = model.fit(bad, y, batch_size=GLOBAL_BATCH, epochs=1, shuffle=False, verbose=0)
+    change = 0.0
+    for v, old in zip(model.variables, before):
+        for a, b in zip(old, _replica_values(v)):
+            diff = np.abs(np.asarray(a, "float64") - np.asarray(b, "float64"))
+            change = max(change, float(np.max(np.where(np.isnan(diff), np.inf, diff))))
+    return {"skipped": int(hist.history["skipped_steps"][-1]), "change": change}
+
+
 def _replica_values(variable):
     """The per-replica copies of a variable (one entry outside tf.distribute)."""
     import keras
@@ -376,6 +414,8 @@ def tf_mirrored():
     for k in (1, 2):
         out[f"train_step_mb{k}"] = train_step_case(strategy.scope, k)
     out["overflow"] = overflow_case(strategy.scope)
+    for k in (1, 2):
+        out[f"batchnorm_skip_mb{k}"] = batchnorm_skip_case(strategy.scope, k)
     out["pruning"] = pruning_case(strategy.scope)
     out["monitor"] = monitor_case(strategy.scope)
     out["distill"] = distill_case(strategy.scope)

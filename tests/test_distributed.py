@@ -120,6 +120,16 @@ def test_mirrored_overflow_skips_step_on_every_replica(mirrored):
     assert o["moved_after_clean_step"] > 1e-4
 
 
+@pytest.mark.backends("tensorflow")
+@pytest.mark.parametrize("k", [1, 2])
+def test_mirrored_skipped_step_keeps_batchnorm_statistics_on_every_replica(mirrored, k):
+    # One Inf on the last replica's shard: every replica skips, and every replica's copy of
+    # every variable (BatchNormalization's moving statistics too) stays exactly as it was.
+    case = mirrored[f"batchnorm_skip_mb{k}"]
+    assert case["skipped"] == 1
+    assert case["change"] == 0.0
+
+
 # --- MultiWorkerMirroredStrategy (two processes) -------------------------------------------
 
 

@@ -51,8 +51,10 @@ class LossScaleTrainStep(TrainStep):
       plain optimizer (it is wrapped in `keras.optimizers.LossScaleOptimizer` with
       `initial_scale` and `dynamic_growth_steps`: the scale doubles after that many finite
       steps and halves on overflow); no scaling under bfloat16 or float32;
-    - skipping of any step whose gradients are not finite: weights, optimizer slots and
-      `optimizer.iterations` stay exactly as they were (and the scale backs off);
+    - skipping of any step whose gradients are not finite: weights, optimizer slots,
+      `optimizer.iterations` and every non-trainable variable the forward pass wrote
+      (BatchNormalization's moving statistics, quantizer ranges; every slice's) stay exactly
+      as they were, the random seed generators excepted (and the scale backs off);
     - `microbatches=k`: each batch is cut into k slices inside the compiled step and their
       gradients are accumulated into one optimizer update equal to the full-batch update, for
       every loss reduction, sample and class weights, several outputs and `loss_weights`

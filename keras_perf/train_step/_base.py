@@ -347,6 +347,29 @@ class TrainStepBase:
         size = ops.maximum((batch_size + k - 1) // k, 1)
         return size, (batch_size + size - 1) // size
 
+    def _kp_restored_on_skip(self):
+        """Per entry of `self.non_trainable_variables`: whether a skipped step restores it.
+
+        Every non-trainable variable is restored (BatchNormalization's moving statistics, a
+        quantizer's ranges, anything a layer assigns in `call`) except the state of the
+        random seed generators: a skipped step still advances them, so that the next step
+        draws new dropout masks and noise instead of replaying the skipped step's. Cached on
+        the variables' identities (read once per trace on TF and JAX, once per step on torch).
+        """
+        variables = self.non_trainable_variables
+        key = tuple(id(v) for v in variables)
+        cached = getattr(self, "_kp_restore_cache", None)
+        if cached is None or cached[0] != key:
+            rng = {
+                id(value.state)
+                for layer in [self, *iter_layers(self)]
+                for value in vars(layer).values()
+                if isinstance(value, keras.random.SeedGenerator)
+            }
+            cached = (key, tuple(id(v) not in rng for v in variables))
+            self._kp_restore_cache = cached
+        return cached[1]
+
     # -- exact micro-batched loss ---------------------------------------------------------
     def _kp_check_microbatching(self, data):
         """Refuse, before any update, what micro-batching cannot split exactly (at trace time)."""

@@ -74,6 +74,7 @@ class TrainStep(TrainStepBase):
 
     def _kp_train_step(self, state, data):
         trainable, non_trainable, optimizer_vars, metrics_vars = state
+        before = non_trainable
         x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
         batch = int(first_tensor(x).shape[0])
         size, count = self._kp_slice_size(batch)
@@ -115,6 +116,13 @@ class TrainStep(TrainStepBase):
         )
         scale = optimizer_vars[scale_index] if lso is not None else None
         grads, finite, norm = self._kp_process_gradients(grads, scale)
+        # A skipped step keeps no forward-pass update either (every slice's): the old values
+        # where the gradients are not finite. A variable the forward pass left alone comes
+        # back as the same traced value and needs no select (XLA would drop it anyway).
+        non_trainable = [
+            jax.numpy.where(finite, new, old) if restore and new is not old else new
+            for new, old, restore in zip(non_trainable, before, self._kp_restored_on_skip())
+        ]
         if lso is not None:
             trainable, optimizer_vars = self.optimizer.stateless_apply(
                 optimizer_vars, grads, trainable

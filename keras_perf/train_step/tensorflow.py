@@ -77,6 +77,40 @@ def _coalesce(grads):
     return out, sparse
 
 
+def _saved_before_forward(model):
+    """(variable, value) for each non-trainable variable a skipped step restores, read now.
+
+    A read is no copy: TensorFlow keeps the old buffer only while an assignment replaces it.
+    Under a tf.distribute strategy each replica reads (and restores) its own copy.
+    """
+    return [
+        (v, tf.identity(v.value))
+        for v, restore in zip(model.non_trainable_variables, model._kp_restored_on_skip())
+        if restore
+    ]
+
+
+def _restore_if_skipped(finite, saved):
+    """Assign the saved values back when `finite` is false."""
+    if not saved:
+        return
+    if (
+        not tf.distribute.has_strategy()
+        or tf.__internal__.distribute.strategy_supports_no_merge_call()
+    ):
+
+        def restore():
+            for v, value in saved:
+                v.assign(value)
+
+        ops.cond(finite, lambda: None, restore)
+        return
+    # An assignment in replica context may need a merge call, which must not sit in a cond
+    # branch: select instead (the variables written in a forward pass are small ones).
+    for v, value in saved:
+        v.assign(tf.where(finite, v.value, value))
+
+
 class TrainStep(TrainStepBase):
     """TensorFlow `train_step(data)`; the base of `kp.LossScaleTrainStep` on TensorFlow."""
 
@@ -215,6 +249,7 @@ class TrainStep(TrainStepBase):
 
     def _kp_train_step(self, data):
         x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        saved = _saved_before_forward(self)
         if self.microbatches == 1:
             grads, variables = self._kp_slice_grads(x, y, sample_weight)
         else:
@@ -262,6 +297,8 @@ class TrainStep(TrainStepBase):
             else:
                 _apply_if_finite(self.optimizer, finite, grads, applied)
             self._kp_update_step_metrics(norm, finite)
+            # Nor does a skipped step keep any forward-pass update (of every slice).
+            _restore_if_skipped(finite, saved)
 
         logs = self.get_metrics_result()
         if self.loss_scale_optimizer is not None:

@@ -52,6 +52,35 @@ class TrainStep(TrainStepBase):
         mean.count.value.add_(finite.to(mean.count.value.dtype))
         skipped.total.value.add_((~finite).to(skipped.total.value.dtype))
 
+    def _kp_snapshot(self):
+        """What a skipped step restores: (variable, version, saved value) per restored
+        non-trainable variable.
+
+        Eager, so the values must be copied before the forward pass writes them in place.
+        Only the variables a forward pass has written before (told by torch's version
+        counter) are copied, so frozen weights (non-trainable too) cost nothing per step; on
+        the first step every one is copied once.
+        """
+        written = getattr(self, "_kp_written", None)
+        snapshot = []
+        for v, restore in zip(self.non_trainable_variables, self._kp_restored_on_skip()):
+            if restore:
+                t = v.value
+                saved = t.detach().clone() if written is None or id(v) in written else None
+                snapshot.append((v, t._version, saved))
+        return snapshot
+
+    def _kp_restore_if_skipped(self, snapshot, finite):
+        """Put back the snapshot's variables the step wrote, unless `finite` (no host sync)."""
+        written = set(getattr(self, "_kp_written", None) or ())
+        for v, version, saved in snapshot:
+            t = v.value
+            if t._version != version:
+                written.add(id(v))
+                if saved is not None:
+                    t.copy_(torch.where(finite, t, saved))
+        self._kp_written = frozenset(written)
+
     def train_step(self, data):
         with training_step():
             return self._kp_train_step(data)
@@ -64,6 +93,7 @@ class TrainStep(TrainStepBase):
         if self.microbatches > 1:
             self._kp_check_microbatching(data)
         self.zero_grad()
+        snapshot = self._kp_snapshot()
         for i in range(count):
             start, stop = i * size, min((i + 1) * size, batch)
             if self.microbatches == 1:
@@ -97,6 +127,7 @@ class TrainStep(TrainStepBase):
                 elif bool(finite):  # the one host sync of this path (see the mixin's docstring)
                     self.optimizer.apply(grads, variables)
                 self._kp_update_step_metrics(norm, finite)
+                self._kp_restore_if_skipped(snapshot, finite)
         else:
             warnings.warn("The model does not have any trainable weights.", stacklevel=2)
 

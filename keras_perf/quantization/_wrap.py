@@ -13,6 +13,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 
+from keras_perf._carry_over import copy_layer_state
 from keras_perf._utils import check_bool
 from keras_perf.pruning._selection import _check_selectors, _matches_layer  # shared selector rules
 from keras_perf.quantization._layers import QUANTIZED_CLASSES, QuantizedKernelMixin
@@ -415,8 +416,11 @@ def _is_float(t) -> bool:
 
 def _copy_weights(old, new):
     """Assign `old`'s weights to the same-named weights of `new` (its extra ones, a kernel
-    mask, are set from the kernel's zeros)."""
+    mask, are set from the kernel's zeros); a layer kept as it was gets all of its state."""
     if isinstance(old, keras.Model):
+        return
+    if not isinstance(new, QuantizedKernelMixin):
+        copy_layer_state(old, new)  # e.g. an adapted Normalization's statistics
         return
     by_name = {}
     for v in new.weights:

@@ -1,0 +1,91 @@
+"""Quantization-aware training combined with other pieces and edge inputs: each test is a case
+that once gave a wrong model with no error (state dropped, settings dropped, frozen or blind
+layers)."""
+
+import keras
+import numpy as np
+
+import keras_perf as kp
+from keras_perf.quantization import ActivationQuantizer
+
+BACKEND = keras.backend.backend()
+
+
+def np_(t):
+    return keras.ops.convert_to_numpy(t)
+
+
+def quantizers(model):
+    return {q.name: q for q in model._flatten_layers() if isinstance(q, ActivationQuantizer)}
+
+
+def save_load(model, path):
+    model.save(path)
+    return keras.saving.load_model(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Every layer's state survives quantize_aware, shrink and save/load
+# ---------------------------------------------------------------------------------------------
+
+
+def stateful_model():
+    """Adapted Normalization (inputs around 3 +- 2), Dense, BatchNormalization with moving
+    statistics far from the defaults, ReLU, Dense; channel 0 of the hidden Dense is pruned
+    (all its weights zero), so `kp.shrink` removes it and slices BatchNormalization."""
+    keras.utils.set_random_seed(0)
+    x = np.random.default_rng(0).normal(3.0, 2.0, size=(64, 4)).astype("float32")
+    norm = keras.layers.Normalization(name="norm")
+    norm.adapt(x)
+    inp = keras.Input((4,))
+    h = keras.layers.Dense(6, name="hidden")(norm(inp))
+    h = keras.layers.BatchNormalization(name="bn")(h)
+    out = keras.layers.Dense(2, name="head")(keras.layers.ReLU()(h))
+    model = keras.Model(inp, out)
+    bn = model.get_layer("bn")
+    bn.moving_mean.assign(np.linspace(-1.0, 1.0, 6).astype("float32"))
+    bn.moving_variance.assign(np.linspace(0.5, 3.0, 6).astype("float32"))
+    for layer, zero in [("hidden", np.s_[:, 0]), ("head", np.s_[0, :])]:
+        kernel = np_(model.get_layer(layer).kernel)
+        kernel[zero] = 0.0
+        model.get_layer(layer).kernel.assign(kernel)
+    for v in (model.get_layer("hidden").bias, bn.gamma, bn.beta):
+        v.assign(np.r_[0.0, np_(v)[1:] + 0.5].astype("float32"))
+    return model, x
+
+
+def test_adapted_normalization_and_batchnorm_statistics_survive_shrink(tmp_path):
+    model, x = stateful_model()
+    expected = np_(model(x))
+    assert np.abs(expected).max() > 1.0  # the check below is not about tiny numbers
+    small = kp.shrink(model)
+    assert small.get_layer("hidden").units == 5  # channel 0 removed, BN sliced
+    np.testing.assert_allclose(np_(small(x)), expected, atol=1e-5)
+    loaded = save_load(small, tmp_path / "small.keras")
+    np.testing.assert_allclose(np_(loaded(x)), expected, atol=1e-5)
+
+
+def test_adapted_normalization_and_batchnorm_statistics_survive_quantize_aware(tmp_path):
+    model, x = stateful_model()
+    qat = kp.quantize_aware(model)
+    norm_out = np_(model.get_layer("norm")(x))
+    assert abs(norm_out.mean()) < 0.1 and abs(norm_out.std() - 1.0) < 0.1
+    np.testing.assert_allclose(np_(qat.get_layer("norm")(x)), norm_out, atol=1e-6)
+    h = np_(model.get_layer("hidden")(norm_out))
+    np.testing.assert_allclose(
+        np_(qat.get_layer("bn")(h)), np_(model.get_layer("bn")(h)), atol=1e-6
+    )
+    # Ranges from a batch (BN frozen: its moving statistics are what is checked), then the
+    # QAT model computes the float model up to quantization.
+    qat.get_layer("bn").trainable = False
+    qat(x, training=True)
+    expected = np_(model(x))
+    step = 0.05 * np.abs(expected).max()  # 8-bit rounding of 4 tensors; the bug: ~100%
+    np.testing.assert_allclose(np_(qat(x)), expected, atol=step)
+    loaded = save_load(qat, tmp_path / "qat.keras")
+    np.testing.assert_array_equal(np_(loaded(x)), np_(qat(x)))
+    # and through both: shrink, then quantize_aware
+    small_qat = kp.quantize_aware(kp.shrink(model))
+    small_qat.get_layer("bn").trainable = False
+    small_qat(x, training=True)
+    np.testing.assert_allclose(np_(small_qat(x)), expected, atol=step)

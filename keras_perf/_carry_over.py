@@ -35,3 +35,23 @@ def copy_layer_state(old, new) -> None:
             {k: keras.ops.convert_to_numpy(getattr(v, "value", v)) for k, v in store.items()}
         )
     finalize_state(new)
+
+
+def keep_train_step(old, new):
+    """`new` with `old`'s keras-perf train step and its settings (`microbatches`, `clipnorm`,
+    the loss-scale settings), when `old` has that step; else `new` as it is."""
+    from keras_perf.train_step import LossScaleTrainStep, loss_scaled  # imports a backend
+
+    if not isinstance(old, LossScaleTrainStep):
+        return new
+    settings = {
+        "microbatches": old.microbatches,
+        "clipnorm": old.clipnorm,
+        "initial_scale": old.initial_scale,
+        "dynamic_growth_steps": old.dynamic_growth_steps,
+    }
+    if not isinstance(new, LossScaleTrainStep):
+        return loss_scaled(new, **settings)
+    for name, value in settings.items():
+        setattr(new, name, value)
+    return new

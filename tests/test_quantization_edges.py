@@ -4,6 +4,7 @@ layers)."""
 
 import keras
 import numpy as np
+import pytest
 
 import keras_perf as kp
 from keras_perf.quantization import ActivationQuantizer
@@ -89,3 +90,28 @@ def test_adapted_normalization_and_batchnorm_statistics_survive_quantize_aware(t
     small_qat.get_layer("bn").trainable = False
     small_qat(x, training=True)
     np.testing.assert_allclose(np_(small_qat(x)), expected, atol=step)
+
+
+# ---------------------------------------------------------------------------------------------
+# The train step's settings survive quantize_aware and shrink
+# ---------------------------------------------------------------------------------------------
+
+
+def test_quantize_aware_and_shrink_keep_the_loss_scaled_train_step_settings(tmp_path):
+    base = keras.Sequential([keras.Input((4,)), keras.layers.Dense(6), keras.layers.Dense(3)])
+    model = kp.loss_scaled(base, microbatches=2, clipnorm=1.0)
+    model.initial_scale, model.dynamic_growth_steps = 64.0, 7
+    for new in (kp.quantize_aware(model), kp.shrink(model), kp.quantize_aware(kp.shrink(model))):
+        assert isinstance(new, kp.LossScaledModel)
+        settings = (new.microbatches, new.clipnorm, new.initial_scale, new.dynamic_growth_steps)
+        assert settings == (2, 1.0, 64.0, 7)
+        loaded = save_load(new, tmp_path / "m.keras")
+        assert (loaded.microbatches, loaded.clipnorm) == (2, 1.0)
+    # and it trains with them: clipnorm=1 bounds the first step's gradient norm
+    qat = kp.quantize_aware(model)
+    qat.compile(keras.optimizers.SGD(1.0), "mse")
+    x = np.random.default_rng(0).normal(size=(16, 4)).astype("float32")
+    before = [np_(w) for w in qat.trainable_weights]
+    qat.fit(x, 100.0 * np.ones((16, 3), "float32"), batch_size=16, epochs=1, verbose=0)
+    moved = [np_(w) - b for w, b in zip(qat.trainable_weights, before)]
+    assert np.sqrt(sum((m**2).sum() for m in moved)) == pytest.approx(1.0, rel=1e-3)

@@ -6,7 +6,7 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_perf._carry_over import copy_layer_state, finalize_state
+from keras_perf._carry_over import copy_layer_state, finalize_state, keep_train_step
 from keras_perf.channel_pruning import _select
 from keras_perf.channel_pruning._graph import ChannelGraph
 
@@ -110,4 +110,4 @@ def shrink(model):
         if values:
             new.set_weights(values)
             finalize_state(new)
-    return small
+    return keep_train_step(model, small)

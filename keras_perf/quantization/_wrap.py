@@ -13,7 +13,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 
-from keras_perf._carry_over import copy_layer_state
+from keras_perf._carry_over import copy_layer_state, keep_train_step
 from keras_perf._utils import check_bool
 from keras_perf.pruning._selection import _check_selectors, _matches_layer  # shared selector rules
 from keras_perf.quantization._layers import QUANTIZED_CLASSES, QuantizedKernelMixin
@@ -165,7 +165,7 @@ def quantize_aware(
     new = _quantize_graph(model, settings, pairs, quantize_inputs=True)
     for old, copy in pairs:
         _copy_weights(old, copy)
-    return new
+    return keep_train_step(model, new)
 
 
 def _check_graph(model, what):

@@ -115,3 +115,46 @@ def test_quantize_aware_and_shrink_keep_the_loss_scaled_train_step_settings(tmp_
     qat.fit(x, 100.0 * np.ones((16, 3), "float32"), batch_size=16, epochs=1, verbose=0)
     moved = [np_(w) - b for w, b in zip(qat.trainable_weights, before)]
     assert np.sqrt(sum((m**2).sum() for m in moved)) == pytest.approx(1.0, rel=1e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# A schedule's sparsity is checked where the callbacks read it
+# ---------------------------------------------------------------------------------------------
+
+
+class _BadSchedule(kp.PruningSchedule):
+    def __init__(self, sparsity):
+        self.sparsity = sparsity
+
+    def __call__(self, step):
+        return step >= 2, self.sparsity if step >= 2 else 0.25
+
+    def get_config(self):
+        return {"sparsity": self.sparsity}
+
+    def __repr__(self):
+        return f"_BadSchedule({self.sparsity})"
+
+
+@pytest.mark.parametrize("sparsity", [-0.5, 1.0, 1.5, float("nan")])
+@pytest.mark.parametrize("callback", [kp.PruningCallback, kp.ChannelPruningCallback])
+def test_schedule_sparsity_outside_0_1_is_refused_naming_the_schedule_and_step(callback, sparsity):
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(2)])
+    model.compile("sgd", "mse")
+    x, y = np.ones((8, 4), "float32"), np.ones((8, 2), "float32")
+    with pytest.raises(ValueError, match=r"_BadSchedule.*returned sparsity .* at step 2.*\[0, 1\)"):
+        model.fit(x, y, batch_size=2, callbacks=[callback(_BadSchedule(sparsity))], verbose=0)
+
+
+def test_callable_schedule_sparsity_is_checked():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8)])
+    model.compile("sgd", "mse")
+    schedule = lambda step: (True, -0.5)  # noqa: E731
+    with pytest.raises(ValueError, match=r"<function .*lambda.* returned sparsity -0.5 at step 0"):
+        model.fit(
+            np.ones((4, 4), "float32"),
+            np.ones((4, 8), "float32"),
+            callbacks=[kp.PruningCallback(schedule)],
+            verbose=0,
+        )
+    assert not np.any(np_(model.layers[0].kernel) == 0)  # nothing was pruned

@@ -12,6 +12,7 @@ from keras_perf.channel_pruning import _select
 from keras_perf.channel_pruning._graph import ChannelGraph
 from keras_perf.pruning import PruningSchedule
 from keras_perf.pruning._constraint import _MaskConstraint
+from keras_perf.pruning._schedules import scheduled
 
 
 class _ChannelMask(_MaskConstraint):
@@ -185,7 +186,7 @@ class ChannelPruningCallback(keras.callbacks.Callback):
         self._step += self._spe
         due = None
         for s in range(step, step + self._spe):
-            should, sparsity = self.schedule(s)
+            should, sparsity = scheduled(self.schedule, s)
             if should:
                 due = (s, sparsity)
         if due is not None:

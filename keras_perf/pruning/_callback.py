@@ -18,7 +18,12 @@ from keras_perf.pruning._constraint import (
     _refresh_train_step,
 )
 from keras_perf.pruning._masks import _check_m_by_n, _compute_masks
-from keras_perf.pruning._schedules import ConstantSparsity, PolynomialDecay, _as_schedule
+from keras_perf.pruning._schedules import (
+    ConstantSparsity,
+    PolynomialDecay,
+    _as_schedule,
+    scheduled,
+)
 from keras_perf.pruning._selection import (
     _check_selectors,
     _deserialize_selectors,
@@ -326,7 +331,7 @@ class PruningCallback(keras.callbacks.Callback):
         self._step += self._spe
         due = None
         for s in range(step, step + self._spe):
-            should, sparsity = self.schedule(s)
+            should, sparsity = scheduled(self.schedule, s)
             if should:
                 due = (s, sparsity)
         if not self._ready:

@@ -158,3 +158,82 @@ def test_callable_schedule_sparsity_is_checked():
             verbose=0,
         )
     assert not np.any(np_(model.layers[0].kernel) == 0)  # nothing was pruned
+
+
+# ---------------------------------------------------------------------------------------------
+# Activation ranges of width 0
+# ---------------------------------------------------------------------------------------------
+
+
+def _use_keras_fake_quant(monkeypatch):
+    """On torch, run the Keras-ops path of ActivationQuantizer instead of torch's fused ops."""
+    from keras_perf import backend as _backend
+
+    monkeypatch.setattr(_backend, "moving_average_fake_quant", None)
+    monkeypatch.setattr(_backend, "fake_quant", None)
+
+
+@pytest.mark.parametrize("path", ["default", "keras_ops"])
+def test_an_all_zero_first_batch_does_not_set_the_range(path, monkeypatch):
+    if path == "keras_ops":
+        if BACKEND != "torch":
+            pytest.skip("the fused path exists on torch only")
+        _use_keras_fake_quant(monkeypatch)
+    q = ActivationQuantizer(ema_decay=0.9)
+    zeros = np.zeros((2, 3), "float32")
+    y = np_(q(zeros, training=True))
+    np.testing.assert_array_equal(y, zeros)  # 0 is exact, nothing is NaN
+    lo, hi = float(np_(q.min)), float(np_(q.max))
+    assert lo == 0.0 and 0.0 < hi < 1e-4  # a usable range, at least eps * 255 wide
+    assert float(np_(q.initialized)) == 0.0
+    np.testing.assert_array_equal(np_(q(zeros)), zeros)  # inference too
+    q(np.array([[-2.0, 0.0, 4.0]], "float32"), training=True)  # this batch sets the range
+    assert (float(np_(q.min)), float(np_(q.max))) == (-2.0, 4.0)
+    q(zeros, training=True)  # later all-zero batches move the average as usual
+    np.testing.assert_allclose([np_(q.min), np_(q.max)], [-1.8, 3.6], rtol=1e-6)
+    x = np.array([[-1.0, 0.5, 3.0]], "float32")
+    np.testing.assert_allclose(np_(q(x)), x, atol=5.4 / 255)
+
+
+@pytest.mark.parametrize("path", ["default", "keras_ops"])
+def test_a_stored_range_of_width_0_quantizes_without_nan(path, monkeypatch):
+    if path == "keras_ops":
+        if BACKEND != "torch":
+            pytest.skip("the fused path exists on torch only")
+        _use_keras_fake_quant(monkeypatch)
+    q = ActivationQuantizer()
+    x = np.array([[0.0, 1.0, -1.0]], "float32")
+    q(x)
+    q.min.assign(0.0)
+    q.max.assign(0.0)  # e.g. a file written before ranges were widened
+    y = np_(q(x))
+    assert np.all(np.isfinite(y)) and y[0, 0] == 0.0 and abs(y[0, 1]) < 1e-4
+
+
+def test_a_model_whose_first_batch_is_all_zero_takes_its_ranges_from_the_next_batch():
+    """No biases: an all-zero first batch makes every activation of it zero. The ranges come
+    from the next batch (was: NaN from the first epoch on JAX; on TF and torch ranges of ~0.05
+    and below, the model blind to its inputs)."""
+    keras.utils.set_random_seed(0)
+    rng = np.random.default_rng(0)
+    x = rng.uniform(0.0, 4.0, size=(256, 4)).astype("float32")
+    y = (x @ np.array([1.0, -1.0, 0.5, 2.0], "float32"))[:, None]
+    model = keras.Sequential(
+        [
+            keras.Input((4,)),
+            keras.layers.Dense(16, activation="relu", use_bias=False),
+            keras.layers.Dense(1, use_bias=False),
+        ]
+    )
+    model.compile(keras.optimizers.Adam(1e-2), "mse")
+    model.fit(x, y, batch_size=32, epochs=10, verbose=0)
+    float_loss = model.evaluate(x[32:], y[32:], verbose=0)
+    x[:32], y[:32] = 0.0, 0.0
+    qat = kp.quantize_aware(model)
+    qat.compile(keras.optimizers.Adam(1e-3), "mse")
+    h = qat.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)
+    assert np.all(np.isfinite(h.history["loss"]))
+    ranges = {n: (float(np_(q.min)), float(np_(q.max))) for n, q in quantizers(qat).items()}
+    assert ranges["input_quant"][0] == 0.0 and 3.9 < ranges["input_quant"][1] <= 4.0, ranges
+    assert ranges["dense_quant"][1] > 1.0 and ranges["dense_1_quant"][1] > 1.0, ranges
+    assert qat.evaluate(x[32:], y[32:], verbose=0) < 3 * float_loss

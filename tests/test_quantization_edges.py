@@ -237,3 +237,67 @@ def test_a_model_whose_first_batch_is_all_zero_takes_its_ranges_from_the_next_ba
     assert ranges["input_quant"][0] == 0.0 and 3.9 < ranges["input_quant"][1] <= 4.0, ranges
     assert ranges["dense_quant"][1] > 1.0 and ranges["dense_1_quant"][1] > 1.0, ranges
     assert qat.evaluate(x[32:], y[32:], verbose=0) < 3 * float_loss
+
+
+# ---------------------------------------------------------------------------------------------
+# preserve_sparsity keeps pruning's zeros, not accidental ones
+# ---------------------------------------------------------------------------------------------
+
+
+def _regression_data(n=128):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 6)).astype("float32")
+    return x, np.stack([x[:, 0] - x[:, 1], x[:, 2] * 0.5, -x[:, 3]], axis=1)
+
+
+def test_a_zero_initialised_head_trains_under_qat():
+    x, y = _regression_data()
+    model = keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(16, activation="relu"),
+            keras.layers.Dense(3, kernel_initializer="zeros", name="head"),
+        ]
+    )
+    # ema_decay=0.9: the head's output range (set from its first non-zero outputs, which are
+    # small) follows the growing outputs within these 40 steps; at 0.999 it takes thousands.
+    qat = kp.quantize_aware(model, ema_decay=0.9)
+    assert qat.get_layer("head").kernel_mask is None
+    qat.compile(keras.optimizers.Adam(1e-2), "mse")
+    h = qat.fit(x, y, batch_size=32, epochs=10, verbose=0)
+    assert np.all(np.isfinite(h.history["loss"]))
+    assert np.mean(np_(qat.get_layer("head").kernel) != 0) > 0.9  # was: all 0, frozen
+    assert h.history["loss"][-1] < 0.5 * h.history["loss"][0]
+
+
+def test_one_exact_zero_in_a_trained_kernel_trains():
+    x, y = _regression_data()
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8), keras.layers.Dense(3)])
+    kernel = np_(model.layers[0].kernel)
+    kernel[2, 3] = 0.0
+    model.layers[0].kernel.assign(kernel)
+    qat = kp.quantize_aware(model)
+    assert qat.layers[1].kernel_mask is None
+    qat.compile(keras.optimizers.SGD(0.1), "mse")
+    qat.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    assert np_(qat.layers[1].kernel)[2, 3] != 0.0
+
+
+@pytest.mark.parametrize("how", ["masked", "stripped", "saved"])
+def test_pruned_kernels_keep_their_zeros(how, tmp_path):
+    x, y = _regression_data()
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(8), keras.layers.Dense(3)])
+    kp.prune_low_magnitude(model, sparsity=0.5 if how != "masked" else 0.05)
+    if how == "stripped":
+        kp.strip_pruning(model)
+    elif how == "saved":
+        model = save_load(model, tmp_path / "pruned.keras")
+    zeros = np_(model.layers[0].kernel) == 0
+    assert zeros.any()
+    qat = kp.quantize_aware(model)
+    # a pruning mask (even at 5 %), or at least 10 % zeros
+    np.testing.assert_array_equal(np_(qat.layers[1].kernel_mask), (~zeros).astype("float32"))
+    qat.compile(keras.optimizers.SGD(0.1), "mse")
+    qat.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    assert np.all(np_(qat.layers[1].kernel)[zeros] == 0)
+    assert np.mean(np_(qat.layers[1].kernel)[~zeros] != np_(model.layers[0].kernel)[~zeros]) > 0.5

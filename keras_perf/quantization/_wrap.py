@@ -15,6 +15,7 @@ import numpy as np
 
 from keras_perf._carry_over import copy_layer_state, keep_train_step
 from keras_perf._utils import check_bool
+from keras_perf.pruning import _MaskConstraint
 from keras_perf.pruning._selection import _check_selectors, _matches_layer  # shared selector rules
 from keras_perf.quantization._layers import QUANTIZED_CLASSES, QuantizedKernelMixin
 from keras_perf.quantization._quantizers import (
@@ -94,9 +95,12 @@ def quantize_aware(
         exclude: Leave these layers' kernels in float (same forms). Defaults to `None`.
         ema_decay: Weight of the old range in the activation ranges' moving average; the
             first training batch sets the range. Defaults to `0.999` (tfmot's).
-        preserve_sparsity: A kernel with exact zeros (a pruned layer) keeps them: the layer
-            computes with `kernel * mask`, so those weights get no gradient and stay 0.
-            Defaults to `True`.
+        preserve_sparsity: A pruned kernel keeps its zeros: the layer computes with
+            `kernel * mask`, so those weights get no gradient and stay 0. A kernel counts as
+            pruned when it carries keras-perf's pruning mask (`kp.PruningCallback`,
+            `kp.prune_low_magnitude`, `kp.ChannelPruningCallback`), or when at least 10 % of
+            its entries, and not all, are exactly 0 (a stripped or reloaded pruned model);
+            other zeros (an all-zero initialisation, a stray 0) train. Defaults to `True`.
 
     Returns:
         A new, uncompiled `keras.Model` (Sequential for a Sequential model).
@@ -331,11 +335,10 @@ def _clone(layer, settings, pairs, end, split):
     config = layer.get_config()
     cls = type(layer)
     if id(layer) in settings["selected"]:
-        kernel = keras.ops.convert_to_numpy(layer.kernel)
         config.update(
             weight_bits=settings["weight_bits"],
             per_channel=settings["per_channel"],
-            sparsity_mask=bool(settings["preserve_sparsity"] and np.any(kernel == 0)),
+            sparsity_mask=bool(settings["preserve_sparsity"] and _pruned(layer.kernel)),
             activation_quantizer=(
                 _quant_name(layer.name, True) if split else (end and _quant_name(end))
             ),
@@ -346,6 +349,21 @@ def _clone(layer, settings, pairs, end, split):
     new = cls.from_config(config)
     pairs.append((layer, new))
     return new
+
+
+# Share of exact zeros from which a kernel without a pruning mask counts as pruned (a pruned
+# model after `kp.strip_pruning` or save/load); below it, zeros are taken as accidental.
+_PRUNED_ZEROS = 0.1
+
+
+def _pruned(kernel) -> bool:
+    """Whether a kernel's exact zeros are pruning's, to keep at 0: it carries a pruning mask
+    (`kp.PruningCallback`, `kp.prune_low_magnitude`, `kp.ChannelPruningCallback`), or at least
+    `_PRUNED_ZEROS` of it and not all of it is zero (an all-zero kernel is an initialisation)."""
+    zeros = float(np.mean(keras.ops.convert_to_numpy(kernel) == 0))
+    if zeros == 0.0:
+        return False
+    return isinstance(kernel.constraint, _MaskConstraint) or _PRUNED_ZEROS <= zeros < 1.0
 
 
 def _quantize_graph(model, settings, pairs, quantize_inputs):

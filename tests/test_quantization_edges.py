@@ -301,3 +301,19 @@ def test_pruned_kernels_keep_their_zeros(how, tmp_path):
     qat.fit(x, y, batch_size=32, epochs=1, verbose=0)
     assert np.all(np_(qat.layers[1].kernel)[zeros] == 0)
     assert np.mean(np_(qat.layers[1].kernel)[~zeros] != np_(model.layers[0].kernel)[~zeros]) > 0.5
+
+
+# ---------------------------------------------------------------------------------------------
+# QAT on graphs tfmot handles: shared layers, Conv2DTranspose, raw ops; argument types
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "value, error", [(None, TypeError), ("0.9", TypeError), (1.0, ValueError), (-0.1, ValueError)]
+)
+def test_ema_decay_is_checked_by_name(value, error):
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    with pytest.raises(error, match="`ema_decay`"):
+        kp.quantize_aware(model, ema_decay=value)
+    with pytest.raises(error, match="`ema_decay`"):
+        ActivationQuantizer(ema_decay=value)

@@ -14,7 +14,7 @@ import numpy as np
 from keras import ops
 
 from keras_perf import backend as _backend
-from keras_perf._utils import check_int
+from keras_perf._utils import check_int, check_number
 
 WEIGHT_BITS = range(2, 9)
 ACTIVATION_BITS = (*range(2, 9), 16)
@@ -103,9 +103,9 @@ class ActivationQuantizer(keras.layers.Layer):
     def __init__(self, num_bits: int = 8, ema_decay: float = 0.999, **kwargs):
         super().__init__(**kwargs)
         self.num_bits = check_bits("num_bits", num_bits, ACTIVATION_BITS)
-        if not 0.0 <= float(ema_decay) < 1.0:
-            raise ValueError(f"`ema_decay` must be in [0, 1); got {ema_decay!r}.")
-        self.ema_decay = float(ema_decay)
+        self.ema_decay = check_number(
+            "ema_decay", ema_decay, low=0.0, high=1.0, high_inclusive=False
+        )
         self.supports_masking = True
 
     def build(self, input_shape):

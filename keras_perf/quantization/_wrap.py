@@ -14,7 +14,7 @@ import keras
 import numpy as np
 
 from keras_perf._carry_over import copy_layer_state, keep_train_step
-from keras_perf._utils import check_bool
+from keras_perf._utils import check_bool, check_number
 from keras_perf.pruning import _MaskConstraint
 from keras_perf.pruning._selection import _check_selectors, _matches_layer  # shared selector rules
 from keras_perf.quantization._layers import QUANTIZED_CLASSES, QuantizedKernelMixin
@@ -123,8 +123,7 @@ def quantize_aware(
     activation_bits = check_bits("activation_bits", activation_bits, ACTIVATION_BITS)
     check_bool("per_channel", per_channel)
     check_bool("preserve_sparsity", preserve_sparsity)
-    if not 0.0 <= float(ema_decay) < 1.0:
-        raise ValueError(f"`ema_decay` must be in [0, 1); got {ema_decay!r}.")
+    ema_decay = check_number("ema_decay", ema_decay, low=0.0, high=1.0, high_inclusive=False)
     include = _check_selectors("include", include)
     exclude = _check_selectors("exclude", exclude)
     _check_graph(model, "model")
@@ -161,7 +160,7 @@ def quantize_aware(
         "weight_bits": weight_bits,
         "activation_bits": activation_bits,
         "per_channel": per_channel,
-        "ema_decay": float(ema_decay),
+        "ema_decay": ema_decay,
         "preserve_sparsity": preserve_sparsity,
         "selected": selected,
     }

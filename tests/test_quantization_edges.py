@@ -317,3 +317,60 @@ def test_ema_decay_is_checked_by_name(value, error):
         kp.quantize_aware(model, ema_decay=value)
     with pytest.raises(error, match="`ema_decay`"):
         ActivationQuantizer(ema_decay=value)
+
+
+def test_a_shared_layer_is_one_quantized_layer_with_a_range_per_call(tmp_path):
+    keras.utils.set_random_seed(0)
+    shared = keras.layers.Dense(4, activation="relu", name="shared")
+    merged = keras.layers.Dense(4, activation="relu", name="merged")  # shared, into a Concatenate
+    inp = keras.Input((4,), name="x")
+    a = shared(inp)
+    b = shared(a)
+    joined = keras.layers.Concatenate(name="concat")([merged(a), merged(b)])
+    model = keras.Model(inp, keras.layers.Dense(2, name="head")(joined))
+    qat = kp.quantize_aware(model)  # was: ValueError "shared_quant" is used 2 times
+    assert isinstance(qat.get_layer("shared"), kp.quantization.QuantizedDense)
+    names = [layer.name for layer in qat.layers]
+    assert names.count("shared") == 1 and {"shared_quant", "shared_quant_1"} <= set(names)
+    assert not any(n.startswith("merged_quant") for n in names)  # none before a Concatenate
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype("float32")
+    y = np.random.default_rng(1).normal(size=(64, 2)).astype("float32")
+    qat.compile(keras.optimizers.Adam(1e-2), "mse")
+    qat.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    q = quantizers(qat)
+    assert float(np_(q["shared_quant"].max)) != float(np_(q["shared_quant_1"].max))
+    loaded = save_load(qat, tmp_path / "shared.keras")
+    np.testing.assert_array_equal(np_(loaded(x)), np_(qat(x)))
+    if BACKEND == "tensorflow":
+        report = kp.export_tflite(qat, tmp_path / "shared.tflite", quantization="int8")
+        t = kp.tflite_predict(tmp_path / "shared.tflite", x)
+        step = report["output_quantization"][0]
+        assert np.mean(np.abs(t - np_(qat(x))) <= step * 1.01) > 0.95
+
+
+def test_raw_ops_on_symbolic_tensors_are_rebuilt_and_integer_tensors_stay_exact(tmp_path):
+    """Position ids made with keras.ops in the graph (as a Transformer's): was KeyError
+    'ones_like'. Integer tensors get no quantizer: 8 bits cannot hold ids up to 299."""
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((5,), name="x")
+    ids = keras.ops.cumsum(keras.ops.ones_like(inp, dtype="int32"), axis=1) + 294  # 295..299
+    emb = keras.layers.Flatten(name="flat")(keras.layers.Embedding(300, 3, name="emb")(ids))
+    h = keras.layers.Dense(4, name="dense")(inp)
+    out = keras.layers.Dense(2, name="head")(keras.layers.Concatenate()([h, emb]))
+    model = keras.Model(inp, out)
+    qat = kp.quantize_aware(model)
+    ops = [op for op in qat.operations if not isinstance(op, keras.layers.Layer)]
+    assert {type(op).__name__ for op in ops} >= {"OnesLike", "Cumsum"}
+    assert not set(quantizers(qat)) & {"ones_like_quant", "cumsum_quant", "add_quant"}
+    x = np.random.default_rng(0).normal(size=(32, 5)).astype("float32")
+    qat(x, training=True)
+    table = np_(model.get_layer("emb").embeddings)
+    rows = table[295:300].reshape(-1)
+    sub = keras.Model(qat.input, qat.get_layer("flat").output)  # after emb's quantizer
+    step = (rows.max() - min(rows.min(), 0)) / 255
+    np.testing.assert_allclose(np_(sub(x)), np.tile(rows, (32, 1)), atol=step)  # the right rows
+    assert np.abs(table[288:293] - table[295:300]).max() > 10 * step  # wrong rows would show
+    expected = np_(model(x))
+    np.testing.assert_allclose(np_(qat(x)), expected, atol=0.05 * np.abs(expected).max())
+    loaded = save_load(qat, tmp_path / "ops.keras")
+    np.testing.assert_array_equal(np_(loaded(x)), np_(qat(x)))

@@ -209,21 +209,27 @@ def _history(obj, found):
 
 
 def _graph(model):
-    """(layers in order, name -> list of consumer names (one per edge), output names)."""
-    layers = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
+    """(layers in order, name -> list of consumer names (one per edge), output names, names
+    of the layers called more than once). Functional "layers" include raw `keras.ops` calls
+    on symbolic tensors (e.g. `ops.ones_like(x)`), which are operations but not layers."""
     if isinstance(model, keras.Sequential):
+        layers = [x for x in model.layers if not isinstance(x, keras.layers.InputLayer)]
         consumers = {a.name: [b.name] for a, b in zip(layers, layers[1:])}
-        return layers, consumers, {layers[-1].name}
+        return layers, consumers, {layers[-1].name}, set()
+    layers = [x for x in model.operations if not isinstance(x, keras.layers.InputLayer)]
     config = model.get_config()
     consumers = {}
+    shared = set()
     for entry in config["layers"]:
         producers = []
         _history(entry.get("inbound_nodes", []), producers)
         for p in producers:
             consumers.setdefault(p, []).append(entry["name"])
+        if len(entry.get("inbound_nodes", [])) > 1:
+            shared.add(entry["name"])
     outputs = []
     _history_names(config["output_layers"], outputs)
-    return layers, consumers, set(outputs)
+    return layers, consumers, set(outputs), shared
 
 
 def _history_names(obj, found):
@@ -270,7 +276,7 @@ def _split_activation(layer) -> bool:
 
 def _plan(model):
     """name -> whether the layer's output gets a quantizer; name -> its block's end."""
-    layers, consumers, outputs = _graph(model)
+    layers, consumers, outputs, shared = _graph(model)
     by_name = {layer.name: layer for layer in layers}
 
     def linear_kernel(layer):
@@ -296,9 +302,11 @@ def _plan(model):
             q = True
         elif _split_activation(layer):
             q = True
-        elif len(users) == 1 and fused(layer, by_name[users[0]]):
-            q = False
         elif all(isinstance(by_name[u], keras.layers.Concatenate) for u in users):
+            q = False
+        elif layer.name in shared:
+            q = True  # a quantizer after each call: no fusion planned for a shared layer
+        elif len(users) == 1 and fused(layer, by_name[users[0]]):
             q = False
         else:
             q = True
@@ -331,6 +339,8 @@ def _quant_name(layer_name, split=False):
 def _clone(layer, settings, pairs, end, split):
     if isinstance(layer, keras.Model):
         return _quantize_graph(layer, settings, pairs, quantize_inputs=False)
+    if not isinstance(layer, keras.layers.Layer):  # a raw keras.ops call: rebuilt, no state
+        return type(layer).from_config(layer.get_config())
     config = layer.get_config()
     cls = type(layer)
     if id(layer) in settings["selected"]:
@@ -368,13 +378,20 @@ def _pruned(kernel) -> bool:
 def _quantize_graph(model, settings, pairs, quantize_inputs):
     quantize, ends = _plan(model)
     act_layers = {}
+    calls = {}
 
     def after(old_name, new_layer, out, split_from=None):
+        # A shared layer's second call gets quantizers of its own: `<name>_quant_1`...
+        n = calls[old_name] = calls.get(old_name, -1) + 1
+        suffix = f"_{n}" if n else ""
+        if not (isinstance(out, keras.KerasTensor) and _is_float(out)):
+            return out  # integer ids, masks...: nothing to quantize (nor several outputs)
         if split_from is not None:
-            out = _quantizer(settings, _quant_name(old_name, True))(out)
-            out = keras.layers.Activation(split_from, name=f"{old_name}_activation")(out)
+            out = _quantizer(settings, _quant_name(old_name, True) + suffix)(out)
+            activation = keras.layers.Activation(split_from, name=f"{old_name}_activation{suffix}")
+            out = activation(out)
         if quantize[old_name]:
-            out = _quantizer(settings, _quant_name(old_name))(out)
+            out = _quantizer(settings, _quant_name(old_name) + suffix)(out)
         return out
 
     if isinstance(model, keras.Sequential):
@@ -392,7 +409,7 @@ def _quantize_graph(model, settings, pairs, quantize_inputs):
                 new_layers.append(
                     keras.layers.Activation(layer.activation, name=f"{layer.name}_activation")
                 )
-            if quantize.get(layer.name):
+            if quantize.get(layer.name) and _is_float(layer.output):
                 new_layers.append(_quantizer(settings, _quant_name(layer.name)))
         return keras.Sequential(new_layers, name=model.name)
 

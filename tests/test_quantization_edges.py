@@ -374,3 +374,34 @@ def test_raw_ops_on_symbolic_tensors_are_rebuilt_and_integer_tensors_stay_exact(
     np.testing.assert_allclose(np_(qat(x)), expected, atol=0.05 * np.abs(expected).max())
     loaded = save_load(qat, tmp_path / "ops.keras")
     np.testing.assert_array_equal(np_(loaded(x)), np_(qat(x)))
+
+
+def test_conv2d_transpose_is_quantized_per_output_channel(tmp_path):
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((4, 4, 3), name="x")
+    h = keras.layers.Conv2DTranspose(5, 3, strides=2, padding="same", name="up")(inp)
+    h = keras.layers.BatchNormalization()(h)
+    h = keras.layers.ReLU(name="relu")(h)
+    h = keras.layers.Conv2DTranspose(2, 2, name="up_1")(h)
+    model = keras.Model(inp, keras.layers.Flatten()(h))
+    qat = kp.quantize_aware(model)  # was: "nothing to quantize"
+    up = qat.get_layer("up")
+    assert isinstance(up, kp.quantization.QuantizedConv2DTranspose)
+    assert up.activation_quantizer == "relu_quant"  # Conv2DTranspose + BN + ReLU: one block
+    kernel, q = np_(up.kernel), np_(up.quantized_kernel())  # (h, w, out=5, in=3)
+    for c in range(5):  # one scale per output channel: kernel axis -2
+        scale = np.abs(kernel[:, :, c, :]).max() / 127
+        ints = q[:, :, c, :] / scale
+        np.testing.assert_allclose(ints, np.round(ints), atol=1e-3)
+        assert np.abs(np.round(ints)).max() == 127
+    x = np.random.default_rng(0).normal(size=(64, 4, 4, 3)).astype("float32")
+    y = np.random.default_rng(1).normal(size=(64, 2 * 9 * 9)).astype("float32")
+    qat.compile(keras.optimizers.Adam(1e-2), "mse")
+    qat.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    loaded = save_load(qat, tmp_path / "up.keras")
+    np.testing.assert_array_equal(np_(loaded(x)), np_(qat(x)))
+    if BACKEND == "tensorflow":
+        report = kp.export_tflite(qat, tmp_path / "up.tflite", quantization="int8")
+        t = kp.tflite_predict(tmp_path / "up.tflite", x)
+        step = report["output_quantization"][0]
+        assert np.mean(np.abs(t - np_(qat(x))) <= step * 1.01) > 0.95

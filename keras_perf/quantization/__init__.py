@@ -1,7 +1,7 @@
 """Quantization-aware training (QAT) for Keras 3 on every backend.
 
 - `_quantizers`: fake quantization of kernels and activations (`ActivationQuantizer`).
-- `_layers`: Dense/EinsumDense/Conv/DepthwiseConv subclasses with fake-quantized kernels.
+- `_layers`: Dense/EinsumDense/Conv/DepthwiseConv/Conv2DTranspose subclasses with fake-quantized kernels.
 - `_wrap`: `quantize_aware`, the clone that places the quantizers.
 - `_report`: `quantization_report`.
 - `_export`: the TFLite int8 export from learned ranges (`export_tflite` routes here).
@@ -11,6 +11,7 @@ from keras_perf.quantization._export import export_quantized, is_quantized_model
 from keras_perf.quantization._layers import (
     QuantizedConv1D,
     QuantizedConv2D,
+    QuantizedConv2DTranspose,
     QuantizedConv3D,
     QuantizedDense,
     QuantizedDepthwiseConv2D,
@@ -24,6 +25,7 @@ __all__ = [
     "ActivationQuantizer",
     "QuantizedConv1D",
     "QuantizedConv2D",
+    "QuantizedConv2DTranspose",
     "QuantizedConv3D",
     "QuantizedDense",
     "QuantizedDepthwiseConv2D",

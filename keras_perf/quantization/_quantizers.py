@@ -79,7 +79,11 @@ def fake_quant_kernel(kernel, bits: int, channel_axes):
         m = ops.reshape(m, (-1,))
         q = fake_quant(flat, -m, m, bits, True, axis=len(flat.shape) - 1)
         return ops.reshape(q, shape)
-    return fake_quant(kernel, -m, m, bits, True, axis=channel_axes[0])
+    last = len(shape) - 1
+    if channel_axes[0] != last:  # Conv2DTranspose (h, w, out, in): Keras' JAX op wants the last
+        q = fake_quant(ops.moveaxis(kernel, channel_axes[0], -1), -m, m, bits, True, axis=last)
+        return ops.moveaxis(q, -1, channel_axes[0])
+    return fake_quant(kernel, -m, m, bits, True, axis=last)
 
 
 @keras.saving.register_keras_serializable(package="keras_perf")

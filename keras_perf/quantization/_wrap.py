@@ -76,9 +76,10 @@ def quantize_aware(
     """Make a quantization-aware-training copy of a model (as tfmot's `quantize_model`).
 
     The copy has the same layers, names and weights, with the kernels of `Dense`,
-    `EinsumDense`, `Conv1D/2D/3D` and `DepthwiseConv2D` fake-quantized (symmetric, narrow
-    integer range, per output channel by default) and fake-quantizers with learned ranges on
-    the model's input and on the activations, placed as TFLite's int8 kernels quantize them.
+    `EinsumDense`, `Conv1D/2D/3D`, `DepthwiseConv2D` and `Conv2DTranspose` fake-quantized
+    (symmetric, narrow integer range, per output channel by default) and fake-quantizers with
+    learned ranges on the model's input and on the activations, placed as TFLite's int8
+    kernels quantize them.
     Train it with plain `compile`/`fit`; `kp.export_tflite(qat, path, "int8")` then writes an
     int8 file from the learned ranges, without calibration data. The float model is left
     untouched.

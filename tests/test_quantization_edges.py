@@ -405,3 +405,30 @@ def test_conv2d_transpose_is_quantized_per_output_channel(tmp_path):
         t = kp.tflite_predict(tmp_path / "up.tflite", x)
         step = report["output_quantization"][0]
         assert np.mean(np.abs(t - np_(qat(x))) <= step * 1.01) > 0.95
+
+
+@pytest.mark.backends("tensorflow")
+def test_an_adapted_lookup_keeps_its_vocabulary_and_its_integer_output(tmp_path):
+    """A Sequential model: IntegerLookup's vocabulary is an asset (not in its config, not a
+    variable); its output is integer indices up to 300, which no quantizer may touch."""
+    keras.utils.set_random_seed(0)
+    lookup = keras.layers.IntegerLookup(name="lookup")
+    lookup.adapt(np.arange(1000, 1300))
+    model = keras.Sequential(
+        [
+            keras.Input((3,), dtype="int64"),
+            lookup,
+            keras.layers.Embedding(302, 2, name="emb"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(2, name="head"),
+        ]
+    )
+    qat = kp.quantize_aware(model)
+    assert "lookup_quant" not in quantizers(qat)
+    x = np.array([[1000, 1150, 1299], [1299, 1001, 5]], "int64")
+    np.testing.assert_array_equal(np_(qat.get_layer("lookup")(x)), np_(lookup(x)))
+    qat(x, training=True)
+    expected = np_(model(x))
+    np.testing.assert_allclose(np_(qat(x)), expected, atol=0.05 * np.abs(expected).max())
+    loaded = save_load(qat, tmp_path / "lookup.keras")
+    np.testing.assert_array_equal(np_(loaded(x)), np_(qat(x)))

@@ -410,7 +410,7 @@ def _quantize_graph(model, settings, pairs, quantize_inputs):
                 new_layers.append(
                     keras.layers.Activation(layer.activation, name=f"{layer.name}_activation")
                 )
-            if quantize.get(layer.name) and _is_float(layer.output):
+            if quantize.get(layer.name) and _float_output(layer):
                 new_layers.append(_quantizer(settings, _quant_name(layer.name)))
         return keras.Sequential(new_layers, name=model.name)
 
@@ -447,6 +447,13 @@ def _quantize_graph(model, settings, pairs, quantize_inputs):
 
 def _is_float(t) -> bool:
     return "float" in str(t.dtype)
+
+
+def _float_output(layer) -> bool:
+    try:
+        return _is_float(layer.output)
+    except (AttributeError, ValueError):  # also called in another model: no single output
+        return True
 
 
 def _copy_weights(old, new):

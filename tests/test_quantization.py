@@ -349,6 +349,7 @@ QUANTIZED_LAYERS = [
     ("Conv2D", (5, 5, 2), lambda: keras.layers.Conv2D(3, 3, activation="relu")),
     ("Conv3D", (4, 4, 4, 2), lambda: keras.layers.Conv3D(3, 2)),
     ("DepthwiseConv2D", (5, 5, 2), lambda: keras.layers.DepthwiseConv2D(3, depth_multiplier=2)),
+    ("Conv2DTranspose", (4, 4, 2), lambda: keras.layers.Conv2DTranspose(3, 3, strides=2)),
 ]
 
 

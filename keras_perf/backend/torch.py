@@ -147,13 +147,14 @@ def _zero_int(scale):
 
 def moving_average_fake_quant(x, min_var, max_var, initialized_var, decay, bits, training):
     """`keras_perf.quantization.ActivationQuantizer.call` in torch ops: in training, the range
-    moves towards the batch's min and max (widened to include 0; the first batch sets it) and
-    the variables are updated in place, as Keras' `assign` does; then `fake_quant`."""
+    moves towards the batch's min and max (widened to include 0; the first batch with a
+    non-zero value sets it) and the variables are updated in place, as Keras' `assign` does;
+    the range is at least `eps * (2^bits - 1)` wide (`widen_range`); then `fake_quant`."""
     import torch
 
     lo, hi = min_var.value, max_var.value
-    if training:
-        with torch.no_grad():
+    with torch.no_grad():
+        if training:
             batch_min, batch_max = torch.aminmax(x.detach())
             batch_min = torch.clamp(batch_min.float(), max=0.0)
             batch_max = torch.clamp(batch_max.float(), min=0.0)
@@ -161,9 +162,14 @@ def moving_average_fake_quant(x, min_var, max_var, initialized_var, decay, bits,
             # lerp(batch, old, decay) = decay * old + (1 - decay) * batch, in one op.
             lo = torch.where(first, batch_min, torch.lerp(batch_min, lo, decay))
             hi = torch.where(first, batch_max, torch.lerp(batch_max, hi, decay))
+        lo = torch.clamp(lo, max=0.0)
+        hi = torch.maximum(
+            torch.clamp(hi, min=0.0), lo + torch.finfo(torch.float32).eps * (2**bits - 1)
+        )
+        if training:
             min_var.value.copy_(lo)
             max_var.value.copy_(hi)
-            initialized_var.value.fill_(1.0)
+            initialized_var.value.copy_(torch.logical_or(~first, batch_max > batch_min))
     return fake_quant(x, lo, hi, bits, False)
 
 

@@ -6,6 +6,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_perf._carry_over import copy_layer_state, finalize_state, keep_train_step
 from keras_perf.channel_pruning import _select
 from keras_perf.channel_pruning._graph import ChannelGraph
 
@@ -99,7 +100,10 @@ def shrink(model):
         if isinstance(old, keras.Model):
             continue  # its layers are copied one by one
         info = infos.get(id(old))
-        by_var = {id(w.variable): w for w in info.weights} if info is not None else {}
+        if info is None:  # not shrunk: all of its state (an adapted Normalization's too)
+            copy_layer_state(old, new)
+            continue
+        by_var = {id(w.variable): w for w in info.weights}
         values = []
         for v in old.weights:
             w = by_var.get(id(v))
@@ -108,4 +112,5 @@ def shrink(model):
             )
         if values:
             new.set_weights(values)
-    return small
+            finalize_state(new)
+    return keep_train_step(model, small)

@@ -24,6 +24,7 @@ from keras import ops
 
 from keras_perf import backend as _backend
 from keras_perf.pruning._constraint import _refresh_train_step
+from keras_perf.pruning._schedules import scheduled
 
 
 class _MaskingCallback(keras.callbacks.Callback):
@@ -58,7 +59,7 @@ class _MaskingCallback(keras.callbacks.Callback):
         self._step += self._spe
         due = None
         for s in range(step, step + self._spe):
-            should, sparsity = self.schedule(s)
+            should, sparsity = scheduled(self.schedule, s)
             if should:
                 due = (s, sparsity)
         self._on_step(due)

@@ -223,6 +223,9 @@ class _CallableSchedule(PruningSchedule):
             "kp.PolynomialDecay or kp.ConstantSparsity (tfmot's own are converted to them)."
         )
 
+    def __repr__(self) -> str:
+        return repr(self.fn)
+
 
 def _as_schedule(schedule) -> PruningSchedule:
     """Our schedule as is; tfmot's built-in schedules converted exactly; any callable wrapped."""
@@ -243,3 +246,16 @@ def _as_schedule(schedule) -> PruningSchedule:
         "`schedule` must be a kp.PolynomialDecay, kp.ConstantSparsity, a tfmot pruning schedule "
         f"or a callable step -> (should_prune, sparsity); got {schedule!r}."
     )
+
+
+def scheduled(schedule, step: int) -> tuple[bool, float]:
+    """`schedule(step)`, its sparsity checked: a callable or a user's `PruningSchedule` can
+    return anything, and a sparsity outside `[0, 1)` would prune silently wrong amounts."""
+    should, sparsity = schedule(step)
+    sparsity = float(np.asarray(sparsity))
+    if not 0.0 <= sparsity < 1.0:  # also false for NaN
+        raise ValueError(
+            f"The pruning schedule {schedule!r} returned sparsity {sparsity!r} at step {step}; "
+            "a sparsity must be in [0, 1) (the fraction of each weight set to zero)."
+        )
+    return bool(np.asarray(should)), sparsity

@@ -1,7 +1,7 @@
 """Quantization-aware training (QAT) for Keras 3 on every backend.
 
 - `_quantizers`: fake quantization of kernels and activations (`ActivationQuantizer`).
-- `_layers`: Dense/EinsumDense/Conv/DepthwiseConv subclasses with fake-quantized kernels.
+- `_layers`: Dense/EinsumDense/Conv/DepthwiseConv/Conv2DTranspose subclasses with fake-quantized kernels.
 - `_wrap`: `quantize_aware`, the clone that places the quantizers.
 - `_report`: `quantization_report`.
 - `_model`: `is_quantized_model`, and `constant_kernels` for an exporter's trace.
@@ -14,6 +14,7 @@ package never imports `keras_perf.export`.
 from keras_perf.quantization._layers import (
     QuantizedConv1D,
     QuantizedConv2D,
+    QuantizedConv2DTranspose,
     QuantizedConv3D,
     QuantizedDense,
     QuantizedDepthwiseConv2D,
@@ -28,6 +29,7 @@ __all__ = [
     "ActivationQuantizer",
     "QuantizedConv1D",
     "QuantizedConv2D",
+    "QuantizedConv2DTranspose",
     "QuantizedConv3D",
     "QuantizedDense",
     "QuantizedDepthwiseConv2D",

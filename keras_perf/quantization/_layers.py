@@ -1,5 +1,5 @@
-"""Keras layers whose kernel is fake-quantized: subclasses of Dense, EinsumDense, Conv1D/2D/3D
-and DepthwiseConv2D.
+"""Keras layers whose kernel is fake-quantized: subclasses of Dense, EinsumDense, Conv1D/2D/3D,
+DepthwiseConv2D and Conv2DTranspose.
 
 Each is the float layer's own class underneath (same config, same `kernel` and `bias`
 variables, `isinstance(layer, keras.layers.Dense)` still holds); only `call` differs: it uses
@@ -192,6 +192,27 @@ class QuantizedDepthwiseConv2D(_QuantizedConvMixin, keras.layers.DepthwiseConv2D
         return self._finish(self._bias(x, self.kernel.shape[-2] * self.kernel.shape[-1]))
 
 
+@keras.saving.register_keras_serializable(package="keras_perf")
+class QuantizedConv2DTranspose(_QuantizedConvMixin, keras.layers.Conv2DTranspose):
+    """`keras.layers.Conv2DTranspose` with a fake-quantized kernel; its kernel is
+    `(h, w, out, in)`, so the output channels are the kernel's axis -2."""
+
+    def channel_axes(self):
+        return None if not self.per_channel else (len(self.kernel.shape) - 2,)
+
+    def call(self, inputs):
+        x = ops.conv_transpose(
+            inputs,
+            self.quantized_kernel(),
+            strides=list(self.strides),
+            padding=self.padding,
+            output_padding=self.output_padding,
+            dilation_rate=self.dilation_rate,
+            data_format=self.data_format,
+        )
+        return self._finish(self._bias(x, self.filters))
+
+
 # Float class -> quantized class. Exact classes only: a user's subclass of Dense may have its
 # own `call`, which the quantized class would silently drop.
 QUANTIZED_CLASSES = {
@@ -201,4 +222,5 @@ QUANTIZED_CLASSES = {
     keras.layers.Conv2D: QuantizedConv2D,
     keras.layers.Conv3D: QuantizedConv3D,
     keras.layers.DepthwiseConv2D: QuantizedDepthwiseConv2D,
+    keras.layers.Conv2DTranspose: QuantizedConv2DTranspose,
 }

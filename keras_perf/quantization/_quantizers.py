@@ -10,15 +10,19 @@ outside it.
 from __future__ import annotations
 
 import keras
+import numpy as np
 from keras import ops
 
 from keras_perf import backend as _backend
-from keras_perf._utils import check_int
+from keras_perf._utils import check_int, check_number
 
 WEIGHT_BITS = range(2, 9)
 ACTIVATION_BITS = (*range(2, 9), 16)
 # A channel whose weights are all zero (e.g. pruned) still needs a positive scale.
 _TINY = 1e-12
+# Smallest scale of an activation range (torch's observers' floor, float32's eps): a range of
+# width 0 (an all-zero batch, a dead ReLU, a zero-initialised head) would divide by zero.
+MIN_SCALE = float(np.finfo("float32").eps)
 
 
 def check_bits(name: str, value, allowed) -> int:
@@ -39,6 +43,14 @@ def fake_quant(x, min_vals, max_vals, num_bits: int, narrow_range: bool, axis=No
     return keras.quantizers.fake_quant_with_min_max_vars(
         x, min_vals, max_vals, num_bits=num_bits, narrow_range=narrow_range, axis=axis
     )
+
+
+def widen_range(lo, hi, bits: int):
+    """An activation range TFLite and the fake-quant ops can use: it contains 0 and is at least
+    `MIN_SCALE * (2^bits - 1)` wide (`hi` is raised: an all-zero tensor gets `[0, floor]`)."""
+    lo = ops.minimum(lo, 0.0)
+    hi = ops.maximum(hi, 0.0)
+    return lo, ops.maximum(hi, lo + MIN_SCALE * (2**bits - 1))
 
 
 def kernel_range(kernel, channel_axes):
@@ -67,7 +79,11 @@ def fake_quant_kernel(kernel, bits: int, channel_axes):
         m = ops.reshape(m, (-1,))
         q = fake_quant(flat, -m, m, bits, True, axis=len(flat.shape) - 1)
         return ops.reshape(q, shape)
-    return fake_quant(kernel, -m, m, bits, True, axis=channel_axes[0])
+    last = len(shape) - 1
+    if channel_axes[0] != last:  # Conv2DTranspose (h, w, out, in): Keras' JAX op wants the last
+        q = fake_quant(ops.moveaxis(kernel, channel_axes[0], -1), -m, m, bits, True, axis=last)
+        return ops.moveaxis(q, -1, channel_axes[0])
+    return fake_quant(kernel, -m, m, bits, True, axis=last)
 
 
 @keras.saving.register_keras_serializable(package="keras_perf")
@@ -78,6 +94,9 @@ class ActivationQuantizer(keras.layers.Layer):
     In training, the range is an exponential moving average of the batch's min and max (each
     widened to include 0); the first training batch sets it directly. At inference the range
     is frozen. `min`/`max` are non-trainable weights, so they are saved with the model.
+    A range is never narrower than `MIN_SCALE * (2^bits - 1)` (`widen_range`), and an all-zero
+    batch before any other (a dead ReLU, a zero-initialised layer) does not count as the first:
+    the next batch with non-zero values sets the range.
 
     Args:
         num_bits: Bits of the integer range: 2-8, or 16. Defaults to `8`.
@@ -88,9 +107,9 @@ class ActivationQuantizer(keras.layers.Layer):
     def __init__(self, num_bits: int = 8, ema_decay: float = 0.999, **kwargs):
         super().__init__(**kwargs)
         self.num_bits = check_bits("num_bits", num_bits, ACTIVATION_BITS)
-        if not 0.0 <= float(ema_decay) < 1.0:
-            raise ValueError(f"`ema_decay` must be in [0, 1); got {ema_decay!r}.")
-        self.ema_decay = float(ema_decay)
+        self.ema_decay = check_number(
+            "ema_decay", ema_decay, low=0.0, high=1.0, high_inclusive=False
+        )
         self.supports_masking = True
 
     def build(self, input_shape):
@@ -139,9 +158,14 @@ class ActivationQuantizer(keras.layers.Layer):
             d = self.ema_decay
             lo = ops.where(first, batch_min, d * lo + (1.0 - d) * batch_min)
             hi = ops.where(first, batch_max, d * hi + (1.0 - d) * batch_max)
+            lo, hi = widen_range(lo, hi, self.num_bits)
             self.min.assign(lo)
             self.max.assign(hi)
-            self.initialized.assign(ops.ones((), "float32"))
+            # An all-zero first batch leaves the range to the next batch.
+            started = ops.logical_or(ops.logical_not(first), ops.greater(batch_max, batch_min))
+            self.initialized.assign(ops.cast(started, "float32"))
+        else:
+            lo, hi = widen_range(lo, hi, self.num_bits)  # a file saved with a range of width 0
         y = fake_quant(x, lo, hi, self.num_bits, False)
         return ops.cast(y, inputs.dtype)
 

@@ -13,8 +13,10 @@ from __future__ import annotations
 import keras
 import numpy as np
 
+from keras_perf._carry_over import copy_layer_state, keep_train_step
 from keras_perf._layer_selection import check_selectors, matches_layer
-from keras_perf._utils import check_bool
+from keras_perf._utils import check_bool, check_number
+from keras_perf.pruning._constraint import _MaskConstraint
 from keras_perf.quantization._layers import QUANTIZED_CLASSES, QuantizedKernelMixin
 from keras_perf.quantization._quantizers import (
     ACTIVATION_BITS,
@@ -74,9 +76,10 @@ def quantize_aware(
     """Make a quantization-aware-training copy of a model (as tfmot's `quantize_model`).
 
     The copy has the same layers, names and weights, with the kernels of `Dense`,
-    `EinsumDense`, `Conv1D/2D/3D` and `DepthwiseConv2D` fake-quantized (symmetric, narrow
-    integer range, per output channel by default) and fake-quantizers with learned ranges on
-    the model's input and on the activations, placed as TFLite's int8 kernels quantize them.
+    `EinsumDense`, `Conv1D/2D/3D`, `DepthwiseConv2D` and `Conv2DTranspose` fake-quantized
+    (symmetric, narrow integer range, per output channel by default) and fake-quantizers with
+    learned ranges on the model's input and on the activations, placed as TFLite's int8
+    kernels quantize them.
     Train it with plain `compile`/`fit`; `kp.export_tflite(qat, path, "int8")` then writes an
     int8 file from the learned ranges, without calibration data. The float model is left
     untouched.
@@ -93,9 +96,12 @@ def quantize_aware(
         exclude: Leave these layers' kernels in float (same forms). Defaults to `None`.
         ema_decay: Weight of the old range in the activation ranges' moving average; the
             first training batch sets the range. Defaults to `0.999` (tfmot's).
-        preserve_sparsity: A kernel with exact zeros (a pruned layer) keeps them: the layer
-            computes with `kernel * mask`, so those weights get no gradient and stay 0.
-            Defaults to `True`.
+        preserve_sparsity: A pruned kernel keeps its zeros: the layer computes with
+            `kernel * mask`, so those weights get no gradient and stay 0. A kernel counts as
+            pruned when it carries keras-perf's pruning mask (`kp.PruningCallback`,
+            `kp.prune_low_magnitude`, `kp.ChannelPruningCallback`), or when at least 10 % of
+            its entries, and not all, are exactly 0 (a stripped or reloaded pruned model);
+            other zeros (an all-zero initialisation, a stray 0) train. Defaults to `True`.
 
     Returns:
         A new, uncompiled `keras.Model` (Sequential for a Sequential model).
@@ -118,8 +124,7 @@ def quantize_aware(
     activation_bits = check_bits("activation_bits", activation_bits, ACTIVATION_BITS)
     check_bool("per_channel", per_channel)
     check_bool("preserve_sparsity", preserve_sparsity)
-    if not 0.0 <= float(ema_decay) < 1.0:
-        raise ValueError(f"`ema_decay` must be in [0, 1); got {ema_decay!r}.")
+    ema_decay = check_number("ema_decay", ema_decay, low=0.0, high=1.0, high_inclusive=False)
     include = check_selectors("include", include)
     exclude = check_selectors("exclude", exclude)
     _check_graph(model, "model")
@@ -156,7 +161,7 @@ def quantize_aware(
         "weight_bits": weight_bits,
         "activation_bits": activation_bits,
         "per_channel": per_channel,
-        "ema_decay": float(ema_decay),
+        "ema_decay": ema_decay,
         "preserve_sparsity": preserve_sparsity,
         "selected": selected,
     }
@@ -164,7 +169,7 @@ def quantize_aware(
     new = _quantize_graph(model, settings, pairs, quantize_inputs=True)
     for old, copy in pairs:
         _copy_weights(old, copy)
-    return new
+    return keep_train_step(model, new)
 
 
 def _check_graph(model, what):
@@ -205,21 +210,27 @@ def _history(obj, found):
 
 
 def _graph(model):
-    """(layers in order, name -> list of consumer names (one per edge), output names)."""
-    layers = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
+    """(layers in order, name -> list of consumer names (one per edge), output names, names
+    of the layers called more than once). Functional "layers" include raw `keras.ops` calls
+    on symbolic tensors (e.g. `ops.ones_like(x)`), which are operations but not layers."""
     if isinstance(model, keras.Sequential):
+        layers = [x for x in model.layers if not isinstance(x, keras.layers.InputLayer)]
         consumers = {a.name: [b.name] for a, b in zip(layers, layers[1:])}
-        return layers, consumers, {layers[-1].name}
+        return layers, consumers, {layers[-1].name}, set()
+    layers = [x for x in model.operations if not isinstance(x, keras.layers.InputLayer)]
     config = model.get_config()
     consumers = {}
+    shared = set()
     for entry in config["layers"]:
         producers = []
         _history(entry.get("inbound_nodes", []), producers)
         for p in producers:
             consumers.setdefault(p, []).append(entry["name"])
+        if len(entry.get("inbound_nodes", [])) > 1:
+            shared.add(entry["name"])
     outputs = []
     _history_names(config["output_layers"], outputs)
-    return layers, consumers, set(outputs)
+    return layers, consumers, set(outputs), shared
 
 
 def _history_names(obj, found):
@@ -266,7 +277,7 @@ def _split_activation(layer) -> bool:
 
 def _plan(model):
     """name -> whether the layer's output gets a quantizer; name -> its block's end."""
-    layers, consumers, outputs = _graph(model)
+    layers, consumers, outputs, shared = _graph(model)
     by_name = {layer.name: layer for layer in layers}
 
     def linear_kernel(layer):
@@ -292,9 +303,11 @@ def _plan(model):
             q = True
         elif _split_activation(layer):
             q = True
-        elif len(users) == 1 and fused(layer, by_name[users[0]]):
-            q = False
         elif all(isinstance(by_name[u], keras.layers.Concatenate) for u in users):
+            q = False
+        elif layer.name in shared:
+            q = True  # a quantizer after each call: no fusion planned for a shared layer
+        elif len(users) == 1 and fused(layer, by_name[users[0]]):
             q = False
         else:
             q = True
@@ -327,14 +340,15 @@ def _quant_name(layer_name, split=False):
 def _clone(layer, settings, pairs, end, split):
     if isinstance(layer, keras.Model):
         return _quantize_graph(layer, settings, pairs, quantize_inputs=False)
+    if not isinstance(layer, keras.layers.Layer):  # a raw keras.ops call: rebuilt, no state
+        return type(layer).from_config(layer.get_config())
     config = layer.get_config()
     cls = type(layer)
     if id(layer) in settings["selected"]:
-        kernel = keras.ops.convert_to_numpy(layer.kernel)
         config.update(
             weight_bits=settings["weight_bits"],
             per_channel=settings["per_channel"],
-            sparsity_mask=bool(settings["preserve_sparsity"] and np.any(kernel == 0)),
+            sparsity_mask=bool(settings["preserve_sparsity"] and _pruned(layer.kernel)),
             activation_quantizer=(
                 _quant_name(layer.name, True) if split else (end and _quant_name(end))
             ),
@@ -347,16 +361,38 @@ def _clone(layer, settings, pairs, end, split):
     return new
 
 
+# Share of exact zeros from which a kernel without a pruning mask counts as pruned (a pruned
+# model after `kp.strip_pruning` or save/load); below it, zeros are taken as accidental.
+_PRUNED_ZEROS = 0.1
+
+
+def _pruned(kernel) -> bool:
+    """Whether a kernel's exact zeros are pruning's, to keep at 0: it carries a pruning mask
+    (`kp.PruningCallback`, `kp.prune_low_magnitude`, `kp.ChannelPruningCallback`), or at least
+    `_PRUNED_ZEROS` of it and not all of it is zero (an all-zero kernel is an initialisation)."""
+    zeros = float(np.mean(keras.ops.convert_to_numpy(kernel) == 0))
+    if zeros == 0.0:
+        return False
+    return isinstance(kernel.constraint, _MaskConstraint) or _PRUNED_ZEROS <= zeros < 1.0
+
+
 def _quantize_graph(model, settings, pairs, quantize_inputs):
     quantize, ends = _plan(model)
     act_layers = {}
+    calls = {}
 
     def after(old_name, new_layer, out, split_from=None):
+        # A shared layer's second call gets quantizers of its own: `<name>_quant_1`...
+        n = calls[old_name] = calls.get(old_name, -1) + 1
+        suffix = f"_{n}" if n else ""
+        if not (isinstance(out, keras.KerasTensor) and _is_float(out)):
+            return out  # integer ids, masks...: nothing to quantize (nor several outputs)
         if split_from is not None:
-            out = _quantizer(settings, _quant_name(old_name, True))(out)
-            out = keras.layers.Activation(split_from, name=f"{old_name}_activation")(out)
+            out = _quantizer(settings, _quant_name(old_name, True) + suffix)(out)
+            activation = keras.layers.Activation(split_from, name=f"{old_name}_activation{suffix}")
+            out = activation(out)
         if quantize[old_name]:
-            out = _quantizer(settings, _quant_name(old_name))(out)
+            out = _quantizer(settings, _quant_name(old_name) + suffix)(out)
         return out
 
     if isinstance(model, keras.Sequential):
@@ -374,7 +410,7 @@ def _quantize_graph(model, settings, pairs, quantize_inputs):
                 new_layers.append(
                     keras.layers.Activation(layer.activation, name=f"{layer.name}_activation")
                 )
-            if quantize.get(layer.name):
+            if quantize.get(layer.name) and _float_output(layer):
                 new_layers.append(_quantizer(settings, _quant_name(layer.name)))
         return keras.Sequential(new_layers, name=model.name)
 
@@ -413,10 +449,20 @@ def _is_float(t) -> bool:
     return "float" in str(t.dtype)
 
 
+def _float_output(layer) -> bool:
+    try:
+        return _is_float(layer.output)
+    except (AttributeError, ValueError):  # also called in another model: no single output
+        return True
+
+
 def _copy_weights(old, new):
     """Assign `old`'s weights to the same-named weights of `new` (its extra ones, a kernel
-    mask, are set from the kernel's zeros)."""
+    mask, are set from the kernel's zeros); a layer kept as it was gets all of its state."""
     if isinstance(old, keras.Model):
+        return
+    if not isinstance(new, QuantizedKernelMixin):
+        copy_layer_state(old, new)  # e.g. an adapted Normalization's statistics
         return
     by_name = {}
     for v in new.weights:

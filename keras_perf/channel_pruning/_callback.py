@@ -111,6 +111,7 @@ class ChannelPruningCallback(_MaskingCallback):
         self.sparsity = 0.0
         self.history: list[dict] = []
         self._masks: list = []  # (WeightAxes, mask variable)
+        self._ready = False
 
     def get_config(self) -> dict:
         return {
@@ -135,16 +136,27 @@ class ChannelPruningCallback(_MaskingCallback):
             raise ValueError(
                 "ChannelPruningCallback needs a compiled model (it counts optimizer steps)."
             )
+        # The walk runs now, so that what it cannot follow is an error before any step.
         self.graph = ChannelGraph(model)
         _select.resolve(self.graph, self.include, self.exclude)
+        self._read_steps_per_execution(model)
+        self.history = []
+        self._ready = False
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if self._ready:
+            return
+        # The step and the zero channels are read at the first epoch, after every callback's
+        # `on_train_begin`: a `BackupAndRestore` listed after this callback has restored the
+        # weights and the optimizer's step by then.
+        model = self.model
         selected = [g for g in self.graph.groups if g.selected]
         # Resuming (or a second fit): channels already all-zero stay masked.
         self.removed = _select.zero_channels(self.graph, selected)
         self._install(model, selected)
         self._read_step(model)
-        self._read_steps_per_execution(model)
-        self.history = []
         self._update_sparsity()
+        self._ready = True
 
     def _install(self, model, selected) -> None:
         wanted = {int(c) for g in selected for c in g.channels}
@@ -182,11 +194,12 @@ class ChannelPruningCallback(_MaskingCallback):
             logs["channel_sparsity"] = self.sparsity
 
     def on_train_end(self, logs=None):
-        if self.graph is None:
+        if self.graph is None or not self._ready:
             return
         model = self.model
         self._apply()  # weight EMA may have overwritten the weights after the last step
         self._release_masks(model)
+        self._ready = False
 
     def _mask_variables(self) -> list:
         return [m for _, m in self._masks]

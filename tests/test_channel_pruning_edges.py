@@ -1,0 +1,63 @@
+"""Channel pruning with the other pieces' state: BackupAndRestore."""
+
+import keras
+import numpy as np
+import pytest
+
+import keras_perf as kp
+
+X = np.random.default_rng(0).random((64, 8, 8, 3)).astype("float32")
+Y = np.random.default_rng(1).integers(0, 4, 64)
+
+
+def cnn():
+    inputs = keras.Input((8, 8, 3))
+    x = keras.layers.Conv2D(8, 3, padding="same", activation="relu", name="c1")(inputs)
+    x = keras.layers.Conv2D(8, 3, padding="same", activation="relu", name="c2")(x)
+    x = keras.layers.GlobalAveragePooling2D()(x)
+    x = keras.layers.Dense(16, activation="relu", name="d1")(x)
+    model = keras.Model(inputs, keras.layers.Dense(4, name="out")(x))
+    model.compile(keras.optimizers.Adam(0.01),
+                  keras.losses.SparseCategoricalCrossentropy(from_logits=True))  # fmt: skip
+    return model
+
+
+def schedule():
+    return kp.PolynomialDecay(0.0, 0.75, begin_step=0, end_step=12, frequency=3)  # 4 steps/epoch
+
+
+class Interrupt(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == 2:
+            raise RuntimeError("interrupted")
+
+
+def fit(model, callbacks, epochs=4):
+    return model.fit(X, Y, batch_size=16, epochs=epochs, shuffle=False, verbose=0,
+                     validation_data=(X[:32], Y[:32]), callbacks=callbacks)  # fmt: skip
+
+
+def weights(model):
+    return [keras.ops.convert_to_numpy(w) for w in model.weights]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("first", ["pruning", "backup"])
+def test_backup_and_restore_resume_is_exact_in_both_orders(first, tmp_path):
+    def run(extra, directory):
+        keras.utils.set_random_seed(2)
+        model = cnn()
+        cb = kp.ChannelPruningCallback(schedule())
+        backup = keras.callbacks.BackupAndRestore(str(directory))
+        order = [cb, backup] if first == "pruning" else [backup, cb]
+        fit(model, [*order, *extra])
+        return model, cb
+
+    reference, ref_cb = run([], tmp_path / "reference")
+    with pytest.raises(RuntimeError, match="interrupted"):
+        run([Interrupt()], tmp_path / "backup")
+    resumed, cb = run([], tmp_path / "backup")
+    assert ref_cb.sparsity == pytest.approx(0.75, abs=0.01)
+    assert cb.sparsity == ref_cb.sparsity and cb.removed == ref_cb.removed
+    for a, b in zip(weights(resumed), weights(reference)):
+        np.testing.assert_allclose(a, b, atol=1e-6)

@@ -1,4 +1,4 @@
-"""Channel pruning with the other pieces' state: BackupAndRestore."""
+"""Channel pruning with the other pieces' state: BackupAndRestore, restored best weights."""
 
 import keras
 import numpy as np
@@ -61,3 +61,27 @@ def test_backup_and_restore_resume_is_exact_in_both_orders(first, tmp_path):
     assert cb.sparsity == ref_cb.sparsity and cb.removed == ref_cb.removed
     for a, b in zip(weights(resumed), weights(reference)):
         np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.parametrize("first", ["pruning", "early_stopping"])
+def test_restore_best_weights_is_exactly_the_best_epoch(first):
+    keras.utils.set_random_seed(4)
+    model = cnn()
+    cb = kp.ChannelPruningCallback(schedule())
+    # mode="max": the best epoch is an early one, pruned less than the last.
+    es = keras.callbacks.EarlyStopping("val_loss", mode="max", patience=10,
+                                       restore_best_weights=True)  # fmt: skip
+    fit(model, [cb, es] if first == "pruning" else [es, cb], epochs=3)
+    assert es.best_epoch < 2
+    val_loss = model.evaluate(X[:32], Y[:32], verbose=0)
+    assert val_loss == pytest.approx(es.best, abs=1e-6)
+    for got, best in zip(model.get_weights(), es.best_weights):
+        np.testing.assert_array_equal(got, best)
+    # The next fit (without the callback) trains every channel of the best weights: no mask
+    # of the last epoch is left on the weights.
+    kernel = model.get_layer("c1").kernel
+    trained = np.abs(keras.ops.convert_to_numpy(kernel)).sum(axis=(0, 1, 2)) > 0
+    assert all(getattr(w, "constraint", None) is None for w in model.trainable_weights)
+    model.fit(X[:16], Y[:16], batch_size=16, epochs=1, verbose=0)
+    after = np.abs(keras.ops.convert_to_numpy(kernel)).sum(axis=(0, 1, 2)) > 0
+    assert np.all(after[trained])

@@ -197,9 +197,35 @@ class ChannelPruningCallback(_MaskingCallback):
         if self.graph is None or not self._ready:
             return
         model = self.model
-        self._apply()  # weight EMA may have overwritten the weights after the last step
+        if getattr(model.optimizer, "use_ema", False):
+            self._apply()  # weight EMA has overwritten the weights after the last step
         self._release_masks(model)
+        self._uninstall(model)
         self._ready = False
+
+    def _uninstall(self, model) -> None:
+        """Take the masks off the weights' constraints: after `fit` the model is plain.
+
+        A callback restoring the best weights (`EarlyStopping(restore_best_weights=True)`)
+        then leaves exactly those weights, whatever the order of the callbacks, and a next
+        `fit` trains every channel unless it is given a `ChannelPruningCallback` again (which
+        keeps the all-zero channels masked).
+        """
+        for w, mask in self._masks:
+            v = w.variable
+            outer, current = None, v.constraint
+            while current is not None and not (
+                isinstance(current, _ChannelMask) and current.mask is mask
+            ):
+                outer, current = current, getattr(current, "original", None)
+            if current is None:
+                continue
+            if outer is None:
+                v.constraint = current.original
+            else:
+                outer.original = current.original
+        self._masks = []
+        self._refresh_train_step(model, masks_changed=False, constraints_changed=True)
 
     def _mask_variables(self) -> list:
         return [m for _, m in self._masks]

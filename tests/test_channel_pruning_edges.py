@@ -85,3 +85,25 @@ def test_restore_best_weights_is_exactly_the_best_epoch(first):
     model.fit(X[:16], Y[:16], batch_size=16, epochs=1, verbose=0)
     after = np.abs(keras.ops.convert_to_numpy(kernel)).sum(axis=(0, 1, 2)) > 0
     assert np.all(after[trained])
+
+
+def test_shrink_rebuilds_raw_ops_on_symbolic_tensors():
+    # A Transformer-like input: position ids from `ops.arange`, `+` and `ops.ones_like` on
+    # symbolic tensors. The callback accepts them (they carry no prunable channel), so
+    # shrink must rebuild them too (it failed: "'Add' object has no attribute 'weights'").
+    ids = keras.Input((6,), dtype="int32")
+    tok = keras.layers.Embedding(20, 8)(ids)
+    x = tok + keras.layers.Embedding(6, 8)(keras.ops.arange(6))
+    x = x * keras.ops.ones_like(x)
+    x = keras.layers.Dense(16, activation="relu", name="h")(x)
+    x = keras.layers.GlobalAveragePooling1D()(x)
+    model = keras.Model(ids, keras.layers.Dense(4, name="out")(x))
+    model.compile("adam", "mse")
+    ids_data = np.random.default_rng(0).integers(0, 20, (32, 6))
+    cb = kp.ChannelPruningCallback(kp.ConstantSparsity(0.5, begin_step=0, frequency=1))
+    model.fit(ids_data, Y[:32, None] * np.ones((1, 4)), epochs=1, callbacks=[cb], verbose=0)
+    small = kp.shrink(model)
+    assert small.get_layer("h").units == 8
+    np.testing.assert_allclose(
+        small.predict(ids_data, verbose=0), model.predict(ids_data, verbose=0), atol=1e-5
+    )

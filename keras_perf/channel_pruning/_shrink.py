@@ -81,6 +81,10 @@ def shrink(model):
             return new
         if isinstance(layer, keras.layers.Lambda):
             return layer  # no weights; from_config would refuse a Python lambda (safe mode)
+        if not isinstance(layer, keras.layers.Layer):
+            # A raw `keras.ops` call on a symbolic tensor (`ops.arange`, `x + y`): an
+            # operation without weights, rebuilt from its config as Keras' own cloning does.
+            return layer.__class__.from_config(layer.get_config())
         config = layer.get_config()
         info = infos.get(id(layer))
         if info is not None and info.producer:

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 import keras_perf as kp
+from keras_perf.channel_pruning import ChannelGraphError
 
 X = np.random.default_rng(0).random((64, 8, 8, 3)).astype("float32")
 Y = np.random.default_rng(1).integers(0, 4, 64)
@@ -107,3 +108,50 @@ def test_shrink_rebuilds_raw_ops_on_symbolic_tensors():
     np.testing.assert_allclose(
         small.predict(ids_data, verbose=0), model.predict(ids_data, verbose=0), atol=1e-5
     )
+
+
+def test_channels_first_convolution_is_a_clear_error():
+    inputs = keras.Input((3, 8, 8))
+    x = keras.layers.Conv2D(8, 3, data_format="channels_first", name="cf")(inputs)
+    x = keras.layers.Flatten()(keras.layers.Conv2D(4, 1, data_format="channels_first")(x))
+    model = keras.Model(inputs, keras.layers.Dense(2)(x))
+    model.compile("adam", "mse")
+    with pytest.raises(ChannelGraphError, match="'cf'.*channels_first.*channels_last"):
+        kp.channel_report(model)
+    cb = kp.ChannelPruningCallback(kp.ConstantSparsity(0.5, begin_step=0))
+    with pytest.raises(ChannelGraphError, match="'cf'"):
+        model.fit(np.ones((4, 3, 8, 8)), np.ones((4, 2)), callbacks=[cb], verbose=0)
+
+
+class MyDense(keras.layers.Dense):
+    pass
+
+
+def test_a_dense_subclass_is_a_reason_and_an_error_when_nothing_else_is_prunable():
+    model = keras.Sequential([keras.Input((8,)), MyDense(16, name="mine"), MyDense(2)])
+    model.compile("adam", "mse")
+    report = kp.channel_report(model)
+    assert report["skipped"][0]["name"] == "mine"
+    assert "subclass of Dense" in report["skipped"][0]["reason"]
+    cb = kp.ChannelPruningCallback(kp.ConstantSparsity(0.5, begin_step=0))
+    with pytest.raises(ChannelGraphError, match="no channel to prune.*'mine'.*subclass of Dense"):
+        model.fit(np.ones((4, 8)), np.ones((4, 2)), callbacks=[cb], verbose=0)
+
+
+def test_quantization_aware_model_names_the_order_prune_shrink_quantize():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, name="h"),
+                              keras.layers.Dense(2, name="out")])  # fmt: skip
+    model.compile("adam", "mse")
+    cb = kp.ChannelPruningCallback(kp.ConstantSparsity(0.5, begin_step=0, frequency=1))
+    model.fit(np.ones((8, 8)), np.ones((8, 2)), callbacks=[cb], verbose=0)
+    qat = kp.quantize_aware(model)
+    qat.compile("adam", "mse")
+    with pytest.raises(ChannelGraphError, match="Shrink before quantizing"):
+        kp.shrink(qat)  # it returned a same-size copy
+    assert "quantize_aware" in kp.channel_report(qat)["skipped"][0]["reason"]
+    with pytest.raises(ChannelGraphError, match="no channel to prune.*quantization-aware"):
+        qat.fit(np.ones((8, 8)), np.ones((8, 2)), callbacks=[kp.ChannelPruningCallback(
+            kp.ConstantSparsity(0.5, begin_step=0))], verbose=0)  # fmt: skip
+    # The order that works: prune, shrink, then quantize.
+    assert kp.quantize_aware(kp.shrink(model)).get_layer("h").units == 8

@@ -9,7 +9,7 @@ from keras import ops
 from keras_perf._layer_selection import check_selectors
 from keras_perf._utils import check_choice, check_int
 from keras_perf.channel_pruning import _select
-from keras_perf.channel_pruning._graph import ChannelGraph
+from keras_perf.channel_pruning._graph import ChannelGraph, ChannelGraphError
 from keras_perf.pruning._base import _MaskingCallback
 from keras_perf.pruning._constraint import _MaskConstraint
 from keras_perf.pruning._schedules import PruningSchedule
@@ -139,6 +139,11 @@ class ChannelPruningCallback(_MaskingCallback):
         # The walk runs now, so that what it cannot follow is an error before any step.
         self.graph = ChannelGraph(model)
         _select.resolve(self.graph, self.include, self.exclude)
+        if self.graph.skipped and not any(g.selected for g in self.graph.groups):
+            what = "; ".join(f"{name!r} {why}" for name, why in self.graph.skipped)
+            raise ChannelGraphError(
+                f"ChannelPruningCallback has no channel to prune in model {model.name!r}: {what}."
+            )
         self._read_steps_per_execution(model)
         self.history = []
         self._ready = False

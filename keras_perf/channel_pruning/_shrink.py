@@ -7,7 +7,7 @@ import numpy as np
 from keras import ops
 
 from keras_perf.channel_pruning import _select
-from keras_perf.channel_pruning._graph import ChannelGraph
+from keras_perf.channel_pruning._graph import ChannelGraph, ChannelGraphError
 
 
 def _sliced(graph, w, removed) -> np.ndarray:
@@ -43,7 +43,8 @@ def shrink(model):
         A new `keras.Model` of the same kind. The original model is not changed.
 
     Raises:
-        ChannelGraphError: (a `ValueError`) a subclassed (or not yet built) model.
+        ChannelGraphError: (a `ValueError`) a subclassed (or not yet built) model, a
+            quantization-aware model (shrink the float model before `kp.quantize_aware`).
 
     Example:
 
@@ -56,6 +57,13 @@ def shrink(model):
     1
     """
     graph, removed = analyse(model)
+    quantized = [name for name, why in graph.skipped if "quantization-aware" in why]
+    if quantized:
+        raise ChannelGraphError(
+            f"kp.shrink cannot remove channels of the quantization-aware layers {quantized} of "
+            f"model {model.name!r}. Shrink before quantizing: prune the float model, "
+            "`small = kp.shrink(model)`, then `kp.quantize_aware(small)`."
+        )
     infos = {id(info.layer): info for info in graph.infos}
     pairs = []
 

@@ -155,3 +155,53 @@ def test_quantization_aware_model_names_the_order_prune_shrink_quantize():
             kp.ConstantSparsity(0.5, begin_step=0))], verbose=0)  # fmt: skip
     # The order that works: prune, shrink, then quantize.
     assert kp.quantize_aware(kp.shrink(model)).get_layer("h").units == 8
+
+
+XS = np.random.default_rng(2).random((64, 12)).astype("float32")
+YS = np.random.default_rng(3).random((64, 3)).astype("float32")
+
+
+def piece(name):
+    if name == "channel":
+        return kp.ChannelPruningCallback(kp.PolynomialDecay(0.0, 0.5, 0, 8, frequency=2))
+    if name == "magnitude":
+        return kp.PruningCallback(kp.PolynomialDecay(0.0, 0.6, 0, 8, frequency=2))
+    return keras.callbacks.EarlyStopping("loss", patience=5, restore_best_weights=True)
+
+
+class InterruptAtEpoch2(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == 2:
+            raise RuntimeError("interrupted")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backup_first", [True, False])
+@pytest.mark.parametrize(
+    "pair",
+    [("channel", "magnitude"), ("magnitude", "channel"), ("channel", "early_stopping"),
+     ("early_stopping", "channel"), ("magnitude", "early_stopping")],
+)  # fmt: skip
+def test_pairs_of_pieces_resume_as_the_uninterrupted_run(pair, backup_first, tmp_path):
+    # Every piece keeps every other piece's state: two pieces, in either order, with
+    # BackupAndRestore first or last, killed at an epoch boundary and resumed with new
+    # callbacks, end with the weights of the uninterrupted run.
+    def run(directory, extra=()):
+        keras.utils.set_random_seed(5)
+        model = keras.Sequential([keras.Input((12,)), keras.layers.Dense(16, name="a"),
+                                  keras.layers.Dense(16, activation="relu", name="b"),
+                                  keras.layers.Dense(3, name="out")])  # fmt: skip
+        model.compile(keras.optimizers.SGD(0.05), "mse")
+        backup = keras.callbacks.BackupAndRestore(str(directory))
+        pieces = [piece(name) for name in pair]
+        callbacks = [backup, *pieces] if backup_first else [*pieces, backup]
+        model.fit(XS, YS, batch_size=16, epochs=3, shuffle=False, verbose=0,
+                  callbacks=[*callbacks, *extra])  # fmt: skip
+        return weights(model)
+
+    reference = run(tmp_path / "reference")
+    with pytest.raises(RuntimeError, match="interrupted"):
+        run(tmp_path / "resumed", [InterruptAtEpoch2()])
+    resumed = run(tmp_path / "resumed")
+    for a, b in zip(resumed, reference):
+        np.testing.assert_allclose(a, b, atol=1e-6)

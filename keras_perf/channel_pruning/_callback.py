@@ -9,7 +9,7 @@ from keras import ops
 from keras_perf._layer_selection import check_selectors
 from keras_perf._utils import check_choice, check_int
 from keras_perf.channel_pruning import _select
-from keras_perf.channel_pruning._graph import ChannelGraph
+from keras_perf.channel_pruning._graph import ChannelGraph, ChannelGraphError
 from keras_perf.pruning._base import _MaskingCallback
 from keras_perf.pruning._constraint import _MaskConstraint
 from keras_perf.pruning._schedules import PruningSchedule
@@ -111,6 +111,7 @@ class ChannelPruningCallback(_MaskingCallback):
         self.sparsity = 0.0
         self.history: list[dict] = []
         self._masks: list = []  # (WeightAxes, mask variable)
+        self._ready = False
 
     def get_config(self) -> dict:
         return {
@@ -135,16 +136,32 @@ class ChannelPruningCallback(_MaskingCallback):
             raise ValueError(
                 "ChannelPruningCallback needs a compiled model (it counts optimizer steps)."
             )
+        # The walk runs now, so that what it cannot follow is an error before any step.
         self.graph = ChannelGraph(model)
         _select.resolve(self.graph, self.include, self.exclude)
+        if self.graph.skipped and not any(g.selected for g in self.graph.groups):
+            what = "; ".join(f"{name!r} {why}" for name, why in self.graph.skipped)
+            raise ChannelGraphError(
+                f"ChannelPruningCallback has no channel to prune in model {model.name!r}: {what}."
+            )
+        self._read_steps_per_execution(model)
+        self.history = []
+        self._ready = False
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if self._ready:
+            return
+        # The step and the zero channels are read at the first epoch, after every callback's
+        # `on_train_begin`: a `BackupAndRestore` listed after this callback has restored the
+        # weights and the optimizer's step by then.
+        model = self.model
         selected = [g for g in self.graph.groups if g.selected]
         # Resuming (or a second fit): channels already all-zero stay masked.
         self.removed = _select.zero_channels(self.graph, selected)
         self._install(model, selected)
         self._read_step(model)
-        self._read_steps_per_execution(model)
-        self.history = []
         self._update_sparsity()
+        self._ready = True
 
     def _install(self, model, selected) -> None:
         wanted = {int(c) for g in selected for c in g.channels}
@@ -182,11 +199,38 @@ class ChannelPruningCallback(_MaskingCallback):
             logs["channel_sparsity"] = self.sparsity
 
     def on_train_end(self, logs=None):
-        if self.graph is None:
+        if self.graph is None or not self._ready:
             return
         model = self.model
-        self._apply()  # weight EMA may have overwritten the weights after the last step
+        if getattr(model.optimizer, "use_ema", False):
+            self._apply()  # weight EMA has overwritten the weights after the last step
         self._release_masks(model)
+        self._uninstall(model)
+        self._ready = False
+
+    def _uninstall(self, model) -> None:
+        """Take the masks off the weights' constraints: after `fit` the model is plain.
+
+        A callback restoring the best weights (`EarlyStopping(restore_best_weights=True)`)
+        then leaves exactly those weights, whatever the order of the callbacks, and a next
+        `fit` trains every channel unless it is given a `ChannelPruningCallback` again (which
+        keeps the all-zero channels masked).
+        """
+        for w, mask in self._masks:
+            v = w.variable
+            outer, current = None, v.constraint
+            while current is not None and not (
+                isinstance(current, _ChannelMask) and current.mask is mask
+            ):
+                outer, current = current, getattr(current, "original", None)
+            if current is None:
+                continue
+            if outer is None:
+                v.constraint = current.original
+            else:
+                outer.original = current.original
+        self._masks = []
+        self._refresh_train_step(model, masks_changed=False, constraints_changed=True)
 
     def _mask_variables(self) -> list:
         return [m for _, m in self._masks]

@@ -130,6 +130,7 @@ class ChannelGraph:
         self.infos: list[LayerInfo] = []
         self.others: list[OtherLayer] = []
         self.blockers: list[Blocker] = []
+        self.skipped: list[tuple[str, str]] = []  # (layer name, why its channels are kept)
         self._seen_ops: dict[int, int] = {}
         self.input_slots: dict[int, np.ndarray] = {}  # id(model input tensor) -> slots
         inputs = [self._fixed(_last_dim(t)) for t in model.inputs]
@@ -212,6 +213,8 @@ class ChannelGraph:
         if isinstance(op, L.Lambda):
             return self._cannot_follow(op, ins, outs_t, "is a Lambda layer")
         if not type(op).__module__.startswith("keras."):
+            if op.weights:
+                self.skipped.append((op.name, _why_skipped(op)))
             return self._cannot_follow(op, ins, outs_t, "is a custom layer")
         out_shape = tuple(outs_t[0].shape) if outs_t else ()
         x = ins[0] if ins else None
@@ -219,6 +222,13 @@ class ChannelGraph:
         if isinstance(op, (*_CONV, *_DEPTHWISE, *_SEPARABLE, *_POOL, L.Flatten)) and not (
             channels_last
         ):
+            if isinstance(op, (*_CONV, *_DEPTHWISE, *_SEPARABLE)):
+                raise ChannelGraphError(
+                    f"{type(op).__name__} {op.name!r} of model {self.model.name!r} uses "
+                    "data_format='channels_first'; channel pruning follows channels-last "
+                    "models only. Build the model with data_format='channels_last' (the Keras "
+                    "default) to prune it."
+                )
             return self._cannot_follow(op, ins, outs_t, "uses data_format='channels_first'")
 
         if isinstance(op, L.Dense):
@@ -403,6 +413,21 @@ class Group:
     @property
     def names(self) -> list:
         return [p.layer.name for p in self.producers]
+
+
+def _why_skipped(op) -> str:
+    """Why a custom layer with weights keeps its channels (`channel_report`'s "skipped")."""
+    if type(op).__module__.startswith("keras_perf.quantization"):
+        return (
+            "is a quantization-aware layer (kp.quantize_aware): prune the float model, "
+            "kp.shrink it, then call kp.quantize_aware on the shrunk model"
+        )
+    base = next((c.__name__ for c in type(op).__mro__[1:]
+                 if c.__module__.startswith("keras.")), "Layer")  # fmt: skip
+    return (
+        f"is a custom layer (a subclass of {base}, {type(op).__name__}), which the walk does "
+        "not follow: its channels are kept; use the built-in layer to prune it"
+    )
 
 
 def _last_dim(t) -> int:

@@ -63,16 +63,18 @@ def channel_report(model, include=None, exclude=None) -> dict:
             excluded producer keeps unpruned. Defaults to `None`.
 
     Returns:
-        `{"layers": [...], "groups": [...], "total": {...}}`. Each layer (every layer with
+        `{"layers": [...], "groups": [...], "total": {...}, "skipped": [...]}`. Each layer (every layer with
         weights, nested models walked through): `name`, `class`, `group` (index or None),
         `channels_before`/`channels_after` (output channels), `params_before`/`params_after`,
         `macs_before`/`macs_after`, `flops_before`/`flops_after` (None where a spatial size
         is unknown). Each group: `index`, `producers`, `channels_before`, `channels_after`,
         `prunable`, `reason` (why it is not pruned, or None). `total`: the sums of params,
-        MACs and FLOPs.
+        MACs and FLOPs. `skipped`: `{"name", "reason"}` of each layer with weights that the
+        walk does not follow (a custom layer, a quantization-aware layer): never pruned.
 
     Raises:
-        ChannelGraphError: (a `ValueError`) a subclassed (or not yet built) model.
+        ChannelGraphError: (a `ValueError`) a subclassed (or not yet built) model, a
+            `data_format="channels_first"` convolution.
 
     Example:
 
@@ -146,7 +148,8 @@ def channel_report(model, include=None, exclude=None) -> dict:
         for when in ("before", "after"):
             values = [r[f"{key}_{when}"] for r in rows]
             total[f"{key}_{when}"] = None if None in values else int(sum(values))
-    return {"layers": rows, "groups": groups, "total": total}
+    skipped = [{"name": name, "reason": why} for name, why in graph.skipped]
+    return {"layers": rows, "groups": groups, "total": total, "skipped": skipped}
 
 
 def _row(layer, group, ch_before, ch_after, p_before, p_after, m_before, m_after) -> dict:

@@ -8,7 +8,7 @@ from keras import ops
 
 from keras_perf._carry_over import copy_layer_state, finalize_state, keep_train_step
 from keras_perf.channel_pruning import _select
-from keras_perf.channel_pruning._graph import ChannelGraph
+from keras_perf.channel_pruning._graph import ChannelGraph, ChannelGraphError
 
 
 def _sliced(graph, w, removed) -> np.ndarray:
@@ -44,7 +44,8 @@ def shrink(model):
         A new `keras.Model` of the same kind. The original model is not changed.
 
     Raises:
-        ChannelGraphError: (a `ValueError`) a subclassed (or not yet built) model.
+        ChannelGraphError: (a `ValueError`) a subclassed (or not yet built) model, a
+            quantization-aware model (shrink the float model before `kp.quantize_aware`).
 
     Example:
 
@@ -60,6 +61,13 @@ def shrink(model):
     1
     """
     graph, removed = analyse(model)
+    quantized = [name for name, why in graph.skipped if "quantization-aware" in why]
+    if quantized:
+        raise ChannelGraphError(
+            f"kp.shrink cannot remove channels of the quantization-aware layers {quantized} of "
+            f"model {model.name!r}. Shrink before quantizing: prune the float model, "
+            "`small = kp.shrink(model)`, then `kp.quantize_aware(small)`."
+        )
     infos = {id(info.layer): info for info in graph.infos}
     pairs = []
 
@@ -85,6 +93,10 @@ def shrink(model):
             return new
         if isinstance(layer, keras.layers.Lambda):
             return layer  # no weights; from_config would refuse a Python lambda (safe mode)
+        if not isinstance(layer, keras.layers.Layer):
+            # A raw `keras.ops` call on a symbolic tensor (`ops.arange`, `x + y`): an
+            # operation without weights, rebuilt from its config as Keras' own cloning does.
+            return layer.__class__.from_config(layer.get_config())
         config = layer.get_config()
         info = infos.get(id(layer))
         if info is not None and info.producer:

@@ -22,6 +22,11 @@ from keras.src.backend import compute_output_spec
 # Keras keeps masks beside tensors; this is its reader (no public equivalent).
 from keras.src.backend.common.masking import get_keras_mask
 
+# Keras casts float variables to a layer's compute dtype inside its call through this scope;
+# a call recomputed in the backward pass (remat on torch) runs after it has closed, so the
+# train step re-enters one with the same dtype. Checked on Keras 3.15.
+from keras.src.backend.common.variables import AutocastScope, get_autocast_scope
+
 # Keras divides the loss by the replica count under tf.distribute and tracks the undivided
 # value (its helpers for both, used by its TensorFlow trainer); checked on Keras 3.8-3.15.
 from keras.src.losses.loss import scale_loss_for_distribution, unscale_loss_for_distribution
@@ -29,6 +34,8 @@ from keras.src.losses.loss import scale_loss_for_distribution, unscale_loss_for_
 __all__ = [
     "accumulated_gradients",
     "added_losses",
+    "autocast_dtype",
+    "autocast_scope",
     "aggregate_additional_loss",
     "callback_model",
     "compiled_loss",
@@ -36,6 +43,7 @@ __all__ = [
     "direct_sublayers",
     "examples_seen",
     "get_keras_mask",
+    "inbound_output_shapes",
     "input_structure",
     "is_functional",
     "loss_terms_replaced",
@@ -125,6 +133,23 @@ def direct_sublayers(layer) -> list:
     """Sub-layers Keras tracks on any layer (`_layers`; `layers` is public on models only)."""
     sub = getattr(layer, "_layers", None)
     return getattr(layer, "layers", []) if sub is None else sub
+
+
+def inbound_output_shapes(layer) -> list:
+    """Shapes of `layer`'s outputs at each of its calls in a model's graph (`_inbound_nodes`)."""
+    nodes = getattr(layer, "_inbound_nodes", None) or []
+    return [t.shape for node in nodes for t in keras.tree.flatten(node.output_tensors)]
+
+
+def autocast_dtype():
+    """The dtype float variables are cast to inside the current layer call, or None."""
+    scope = get_autocast_scope()
+    return None if scope is None else scope.dtype
+
+
+def autocast_scope(dtype):
+    """A context casting float variables to `dtype` as a layer call does (None: nothing)."""
+    return contextlib.nullcontext() if dtype is None else AutocastScope(dtype)
 
 
 def added_losses(layer) -> bool:

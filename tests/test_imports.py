@@ -172,7 +172,10 @@ LAYERS = {
     # The backend dispatch and its implementation modules.
     "backend": (("keras_perf.backend",), ("ground",)),
     # The shared train step, beside (not above) the backend.
-    "train_step_base": (("keras_perf.train_step._base",), ("ground",)),
+    "train_step_base": (
+        ("keras_perf.train_step._base", "keras_perf.train_step._remat"),
+        ("ground",),
+    ),
     # The backend train steps and the public train-step API, above both.
     "train_step": (("keras_perf.train_step",), ("ground", "backend", "train_step_base")),
 }

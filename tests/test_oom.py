@@ -172,6 +172,7 @@ def test_repeated_ooms_double_until_it_fits_and_validation_runs_once_per_epoch()
         shuffle=False,
         verbose=0,
         validation_data=(x[:8], y[:8]),
+        strategies=("microbatches",),  # the doubling alone (the ladder: the tests below)
     )
     assert [e["microbatches"] for e in h.oom_events] == [1, 2]
     assert {e["epoch"] for e in h.oom_events} == {0}
@@ -685,3 +686,120 @@ def test_find_max_microbatch_refuses_generators_and_short_data():
     with pytest.raises(ValueError, match=r"holds 16 examples, fewer than batch_size=32"):
         kp.find_max_microbatch(model, Batches(x, y, 8), batch_size=32)
     assert layer.calls == 0
+
+
+# -- the ladder: remat and micro-batches, in the order that keeps training exact ----------
+class OOMUnless(keras.callbacks.Callback):
+    """Raises the backend's OOM error at a step unless `fits(remat, microbatches)` of the
+    model being fitted; from the `from_step`-th step of the run on (0-based, all epochs)."""
+
+    def __init__(self, fits, from_step=0):
+        super().__init__()
+        self.fits, self.from_step, self.steps, self.seen = fits, from_step, 0, []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        setting = (getattr(self.model, "remat", None), getattr(self.model, "microbatches", 1))
+        self.seen.append(setting)
+        step, self.steps = self.steps, self.steps + 1
+        if step >= self.from_step and not self.fits(*setting):
+            raise kp.backend.oom_error("Out of memory while trying to allocate 1GiB (injected).")
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.steps = max(self.steps, 3 * epoch)  # 3 steps per epoch: a retry restarts the count
+
+
+def _bn_model(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(8, activation="gelu"),
+            keras.layers.BatchNormalization(),
+            keras.layers.Dense(3),
+        ]
+    )
+
+
+def _mlp(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential(
+        [keras.Input((6,)), keras.layers.Dense(8, activation="gelu"), keras.layers.Dense(3)]
+    )
+
+
+@pytest.mark.parametrize(
+    "build, order",
+    [
+        (_bn_model, ["remat", "microbatches", "remat+microbatches", "remat+microbatches"]),
+        (_mlp, ["microbatches", "remat", "remat+microbatches", "remat+microbatches"]),
+    ],
+    ids=["batchnorm", "mlp"],
+)
+def test_ladder_order_depends_on_batch_dependent_layers(build, order):
+    x, y = _data(n=48)
+    model = _compile(build(), eager=False)
+    oom = OOMUnless(lambda remat, k: remat == "full" and k >= 4)
+    h = kp.fit_with_oom_retry(model, x, y, batch_size=16, verbose=0, callbacks=[oom])
+    assert [e["strategy"] for e in h.oom_events] == order
+    assert [e["microbatches"] for e in h.oom_events] == (
+        [1, 1, 2, 2] if build is _bn_model else [1, 2, 1, 2]
+    )
+    assert (h.model.remat, h.model.microbatches) == ("full", 4)
+
+
+def test_ladder_strategies_chosen_and_ordered():
+    x, y = _data(n=48)
+    model = _compile(_mlp(), eager=False)
+    oom = OOMUnless(lambda remat, k: remat == "full")
+    h = kp.fit_with_oom_retry(
+        model, x, y, batch_size=16, verbose=0, callbacks=[oom], strategies=("remat",)
+    )
+    assert [e["strategy"] for e in h.oom_events] == ["remat"]
+    assert (h.model.remat, h.model.microbatches) == ("full", 1)
+    # Only remat, and it is not enough: the run gives up saying so.
+    model = _compile(_mlp(), eager=False)
+    never = OOMUnless(lambda remat, k: False)
+    with pytest.raises(RuntimeError, match="every rung of `strategies` was tried"):
+        kp.fit_with_oom_retry(
+            model, x, y, batch_size=16, verbose=0, callbacks=[never], strategies=["remat"]
+        )
+    # Micro-batches only: doubling, never remat.
+    model = _compile(_bn_model(), eager=False)
+    oom = OOMUnless(lambda remat, k: k >= 4)
+    h = kp.fit_with_oom_retry(
+        model, x, y, batch_size=16, verbose=0, callbacks=[oom], strategies=("microbatches",)
+    )
+    assert [e["strategy"] for e in h.oom_events] == ["microbatches", "microbatches"]
+    assert (h.model.remat, h.model.microbatches) == (None, 4)
+
+
+@pytest.mark.parametrize(
+    "strategies", ["remat", [], ["remat", "remat"], ["quantize"], ("microbatches", 2)]
+)
+def test_bad_strategies_refused_before_training(strategies):
+    model = _compile(_mlp(), eager=False)
+    oom = OOMUnless(lambda remat, k: True)
+    with pytest.raises(ValueError, match="`strategies`"):
+        kp.fit_with_oom_retry(
+            model, *_data(n=16), batch_size=16, verbose=0, callbacks=[oom], strategies=strategies
+        )
+    assert oom.seen == []
+
+
+def test_remat_rung_recovers_exactly_mid_epoch():
+    # BatchNormalization: remat first. The OOM comes at the 2nd step of epoch 1, after one
+    # update of that epoch was applied (rolled back); the retried epoch runs with remat.
+    x, y = _data(n=48)
+    model = _compile(_bn_model(), eager=False)
+    oom = OOMUnless(lambda remat, k: remat == "full", from_step=4)
+    h = kp.fit_with_oom_retry(
+        model, x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, callbacks=[oom]
+    )
+    assert [(e["epoch"], e["strategy"]) for e in h.oom_events] == [(1, "remat")]
+    ref = _compile(_bn_model(), eager=False)
+    ref.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    twin = kp.loss_scaled(ref, remat="full")
+    twin.fit(x, y, batch_size=16, epochs=2, initial_epoch=1, shuffle=False, verbose=0)
+    # Weights, Adam slots and the moving statistics.
+    assert _max_diff(model, ref) < 1e-6
+    assert int(h.model.optimizer.iterations) == int(twin.optimizer.iterations) == 6

@@ -13,6 +13,9 @@ How a run recovers, step by step:
 2. An exception that the backend shim recognises as out-of-memory (`kp.backend.is_oom`) ends
    the current `fit` call; any other exception propagates unchanged.
 3. The snapshot is restored, garbage is collected and the backend's cache released, and the
+   next rung of the ladder is set (`_rungs.ladder`: remat, i.e. activations recomputed in
+   the backward pass with the batch whole, first for a model with BatchNormalization;
+   micro-batches first otherwise; then the other; then both). For micro-batches the
    number of micro-batches is doubled: the model has `kp.LossScaleTrainStep` (its
    `microbatches` is raised) or, for a stock Sequential/Functional model, a `kp.loss_scaled`
    twin is made that shares the model's layers and optimizer. Each batch keeps its size and
@@ -31,7 +34,8 @@ The parts, in the order a batch `x` goes through a retry:
   (step 1), a Python generator made replayable, and the callbacks shared by the run's
   `fit` calls, which take the snapshot at each epoch start.
 - `_rungs`: which rung a model climbs (micro-batches, or smaller batches with gradient
-  accumulation) and the accumulation rung itself, with `PerUpdateSchedule`.
+  accumulation), the accumulation rung itself, with `PerUpdateSchedule`, and the ladder
+  (the order of remat and micro-batches per model, `strategies=`).
 - `_probe`: `find_max_microbatch`, one probing train step per micro-batch count.
 
 The runnable examples are in the docstrings of `fit_with_oom_retry` (`_retry`) and

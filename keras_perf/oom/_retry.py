@@ -18,7 +18,17 @@ import keras
 from keras_perf import backend as _backend
 from keras_perf._utils import check_int
 from keras_perf.oom import _state
-from keras_perf.oom._rungs import ACCUMULATE, _Accumulation, _cannot_climb, _microbatches, _rung
+from keras_perf.oom._rungs import (
+    ACCUMULATE,
+    MICROBATCHES,
+    REMAT,
+    _Accumulation,
+    _cannot_climb,
+    _microbatches,
+    _rung,
+    check_strategies,
+    ladder,
+)
 from keras_perf.oom._state import (
     _KERAS_DEFAULT_BATCH,
     _infer_batch_size,
@@ -90,6 +100,7 @@ def _tried(events, batch_size) -> str:
         size = "?" if batch_size is None else math.ceil(batch_size / e["microbatches"])
         parts.append(
             f"epoch {e['epoch']}: batch {e['batch_size']} in {e['microbatches']} micro-batch(es) of {size}"
+            + (f", then {e['strategy']}" if e.get("strategy") else "")
         )
     return "; ".join(parts)
 
@@ -97,7 +108,7 @@ def _tried(events, batch_size) -> str:
 class _Run:
     """One `fit_with_oom_retry` run: `fit` calls, and the recovery between them."""
 
-    def __init__(self, model, x, y, batch_size, epochs, initial_epoch, fit_kwargs):
+    def __init__(self, model, x, y, batch_size, epochs, initial_epoch, fit_kwargs, strategies):
         self.model = self.fitting = model
         self.y, self.epochs, self.epoch = y, epochs, initial_epoch
         self.user_callbacks = fit_kwargs.pop("callbacks", None)
@@ -117,6 +128,13 @@ class _Run:
         self.events: list[dict] = []
         rung = _rung(model, self.array_input)
         self.accumulation = _Accumulation(model) if rung == ACCUMULATE else None
+        if self.accumulation is not None and strategies is not None and REMAT in strategies:
+            raise ValueError(
+                f'`strategies` has "remat", which needs keras-perf\'s train step; '
+                f"{type(model).__name__} is a subclassed model without it. Subclass "
+                'kp.LossScaleTrainStep, or pass strategies=("microbatches",).'
+            )
+        self.rungs = None if self.accumulation is not None else ladder(model, strategies)
         self.callbacks = _RunCallbacks(
             list(self.user_callbacks or []),
             x=x,
@@ -162,9 +180,17 @@ class _Run:
         self.events.append(event)
         return event
 
+    def next_rung(self, event) -> tuple:
+        """(strategy, remat, pieces per batch) to retry with; strategy None: none is left."""
+        if self.accumulation is not None:
+            return MICROBATCHES, None, event["microbatches"] * 2
+        return next(self.rungs, (None, None, event["microbatches"]))
+
     def why_not_retry(self, nxt, max_retries, min_batch_size) -> str | None:
         """Why the run gives up instead of retrying with `nxt` pieces per batch (None: retry)."""
         batch = self.batch
+        if self.events and self.events[-1]["strategy"] is None:
+            return "every rung of `strategies` was tried."
         reason = _cannot_climb(self.fitting, self.array_input, self.weighted)
         if reason is None and len(self.events) > max_retries:
             reason = f"max_retries={max_retries} recoveries were used up."
@@ -209,8 +235,9 @@ class _Run:
             "smaller batch_size or model, or free accelerator memory."
         )
 
-    def recover(self, epoch, nxt) -> None:
-        """Rewind, free memory, and set up the retry of `epoch` with `nxt` pieces per batch."""
+    def recover(self, epoch, nxt, remat=None) -> None:
+        """Rewind, free memory, and set up the retry of `epoch` with `nxt` pieces per batch
+        (micro-batches, or accumulated smaller batches) and `remat`."""
         in_progress = self.callbacks.epoch_in_progress()
         if in_progress:
             self.callbacks.rewind(random_state=False)
@@ -222,8 +249,9 @@ class _Run:
             self.callbacks.set_params(dict(self.callbacks.params or {}, steps=steps))
         elif isinstance(self.fitting, LossScaleTrainStep):
             self.fitting.microbatches = nxt
+            self.fitting.remat = remat
         else:
-            self.fitting = loss_scaled(self.fitting, microbatches=nxt)
+            self.fitting = loss_scaled(self.fitting, microbatches=nxt, remat=remat)
         self.callbacks.set_model(self.fitting)
         if self.replay is not None:  # the failed epoch's batches again, then the next ones
             self.x = self.replay.stream(self.callbacks.steps_done)
@@ -249,6 +277,7 @@ def fit_with_oom_retry(
     epochs: int = 1,
     min_batch_size: int = 1,
     max_retries: int = 8,
+    strategies=None,
     **fit_kwargs,
 ) -> keras.callbacks.History:
     """`model.fit` that recovers from out-of-memory without changing the effective batch.
@@ -257,10 +286,17 @@ def fit_with_oom_retry(
     a step runs out of memory (TensorFlow `ResourceExhaustedError` or the `InternalError`
     "Dst tensor is not initialized", XLA `RESOURCE_EXHAUSTED`, torch `OutOfMemoryError` or an
     "out of memory" `RuntimeError`), the epoch's starting state is restored, memory is freed
-    and the epoch runs again with twice as many micro-batches per step. Batches keep their
-    size, each step stays one optimizer update equal to the full-batch update (see
-    `kp.LossScaleTrainStep`), so the run optimises exactly what it would have without the
-    error. Any other exception propagates unchanged.
+    and the epoch runs again one rung up the ladder. Batches keep their size, each step stays
+    one optimizer update equal to the full-batch update (see `kp.LossScaleTrainStep`), so the
+    run optimises exactly what it would have without the error. Any other exception
+    propagates unchanged.
+
+    The ladder: `"remat"` (the model's activations recomputed in the backward pass,
+    `remat="full"`: the batch stays whole, the same arithmetic) and `"microbatches"` (twice
+    as many micro-batches per step). The rung that keeps training exact comes first: remat
+    for a model with BatchNormalization (micro-batches would normalise each slice with its
+    own statistics), micro-batches otherwise; then the other rung alone; then both, the
+    micro-batches doubling at each further error. `strategies` picks and orders the rungs.
 
     Micro-batching comes from the model's own `kp.LossScaleTrainStep` (its `microbatches` is
     doubled and stays raised afterwards) or, for a stock Sequential or Functional model, from
@@ -303,19 +339,24 @@ def fit_with_oom_retry(
         min_batch_size: Smallest micro-batch (examples per slice) to try; when halving once
             more would go below it, the run gives up. Defaults to `1`.
         max_retries: Most out-of-memory recoveries in the whole run. Defaults to `8`.
+        strategies: The rungs to try, in order: a list or tuple of `"remat"` and
+            `"microbatches"`. Defaults to `None`: both, the exact one first (see above).
+            A subclassed model without the train step has the accumulation rung only.
         **fit_kwargs: Passed on to `model.fit` (`callbacks`, `validation_data`, `verbose`,
             `initial_epoch`, ...).
 
     Returns:
         The Keras `History` of the run, every epoch once, with `history.oom_events`: one dict
-        per out-of-memory error, `{"epoch", "batch_size", "microbatches", "error"}` (the
-        micro-batch count that failed and the error's first line).
+        per out-of-memory error, `{"epoch", "batch_size", "microbatches", "error",
+        "strategy"}` (the micro-batch count that failed, the error's first line, and the rung
+        tried next: `"remat"`, `"microbatches"` or `"remat+microbatches"`).
 
     Raises:
         TypeError: `model` is not a Keras model, or a bad argument type.
         ValueError: the model is not compiled, an argument is out of range
-            (`min_batch_size` above the batch size included), or `validation_data` is a
-            generator.
+            (`min_batch_size` above the batch size included), `validation_data` is a
+            generator, or `strategies` is not a list of known rungs (or has `"remat"` for a
+            subclassed model without the train step).
         RuntimeError: out of memory again with micro-batches below `min_batch_size`, after
             `max_retries` recoveries, or on a model that can be neither micro-batched nor
             given smaller batches with gradient accumulation (a subclassed model without
@@ -336,7 +377,8 @@ def fit_with_oom_retry(
     batch_size, epochs, min_batch_size, max_retries, initial_epoch = _check_arguments(
         model, batch_size, epochs, min_batch_size, max_retries, fit_kwargs
     )
-    run = _Run(model, x, y, batch_size, epochs, initial_epoch, fit_kwargs)
+    strategies = check_strategies(strategies)
+    run = _Run(model, x, y, batch_size, epochs, initial_epoch, fit_kwargs, strategies)
     _check_min_batch_size(min_batch_size, run.batch)
     try:
         while True:
@@ -347,13 +389,13 @@ def fit_with_oom_retry(
                 if not _backend.is_oom(exc):
                     raise
                 event = run.record(exc)
-                nxt = event["microbatches"] * 2
+                event["strategy"], remat, nxt = run.next_rung(event)
                 reason = run.why_not_retry(nxt, max_retries, min_batch_size)
                 if reason is not None:
                     raise run.give_up(reason, exc) from exc
             # Outside the `except` block, so that the failed step's traceback (and the tensors
             # its frames hold) is released before memory is cleared.
-            run.recover(event["epoch"], nxt)
+            run.recover(event["epoch"], nxt, remat)
     finally:
         if run.accumulation is not None:
             run.accumulation.finish()  # the user's optimizer gets the trained state back

@@ -4,7 +4,9 @@ Read top to bottom: `_rung` (which rung a model takes: micro-batches, or smaller
 gradient accumulation, or none), `_cannot_climb` (why a model can take neither), then the
 accumulation rung itself: `_Accumulation` (an optimizer copy with
 `gradient_accumulation_steps=k`, its state handed back at the end), `_copy_optimizer_state`,
-`PerUpdateSchedule` and the loss reductions that rule accumulation out. Not here: the
+`PerUpdateSchedule` and the loss reductions that rule accumulation out; last the ladder
+(`ladder`: remat, micro-batches, both, in the order that keeps a model's training exact).
+Not here: the
 micro-batch rung (`kp.loss_scaled`, `kp.LossScaleTrainStep` in keras_perf/train_step.py),
 the loop that climbs (`_retry`).
 """
@@ -15,6 +17,7 @@ import keras
 
 from keras_perf import _keras_internals as keras_internals
 from keras_perf import backend as _backend
+from keras_perf._utils import iter_layers
 from keras_perf.train_step import LossScaleTrainStep
 
 MICROBATCH = "microbatch"  # keras-perf's train step cuts each batch into micro-batches
@@ -194,3 +197,61 @@ class _Accumulation:
     def finish(self) -> None:
         if self.k != 1:
             self.set(1)
+
+
+# -- the ladder: which setting each out-of-memory error leads to ---------------------------
+REMAT, MICROBATCHES, BOTH = "remat", "microbatches", "remat+microbatches"
+STRATEGIES = (REMAT, MICROBATCHES)
+
+
+def check_strategies(strategies) -> tuple | None:
+    """Validate `strategies` (None, or a non-empty list/tuple of distinct rung names)."""
+    if strategies is None:
+        return None
+    if (
+        not isinstance(strategies, (list, tuple))
+        or not strategies
+        or any(s not in STRATEGIES for s in strategies)
+        or len(set(strategies)) != len(strategies)
+    ):
+        raise ValueError(
+            f"`strategies` must be None or a non-empty list or tuple of distinct names from "
+            f"{list(STRATEGIES)}, in the order to try them; got {strategies!r}."
+        )
+    return tuple(strategies)
+
+
+def batch_dependent(model) -> bool:
+    """Whether a layer of `model` computes with the batch as a whole (BatchNormalization)."""
+    return any(isinstance(layer, keras.layers.BatchNormalization) for layer in iter_layers(model))
+
+
+def ladder(model, strategies):
+    """The settings to try after each OOM: yields (strategy, remat, microbatches).
+
+    Micro-batching `model` (a loss-scaled twin for a stock model) starting from its current
+    settings. The rung that keeps training exact comes first: remat (the batch stays whole)
+    for a model with batch-dependent layers, micro-batches (each update is the full-batch
+    update) otherwise; then the other rung; then both, the micro-batches doubling from there
+    on. A model whose `remat` is already on has no remat rung (it stays on).
+    """
+    k = _microbatches(model)
+    own = getattr(model, "remat", None)
+    if strategies is None:
+        strategies = (REMAT, MICROBATCHES) if batch_dependent(model) else (MICROBATCHES, REMAT)
+    if own is not None:
+        strategies = tuple(s for s in strategies if s != REMAT)
+    if not strategies:
+        return
+    if strategies == (REMAT,):
+        yield REMAT, "full", k
+        return
+    if strategies == (MICROBATCHES,):
+        while True:
+            k *= 2
+            yield MICROBATCHES, own, k
+    for strategy in strategies:
+        yield (strategy, "full", k) if strategy == REMAT else (strategy, None, 2 * k)
+    while True:
+        k *= 2
+        yield BOTH, "full", k

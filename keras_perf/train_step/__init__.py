@@ -29,6 +29,7 @@ import keras
 from keras_perf import _keras_internals as keras_internals
 from keras_perf import backend as _backend
 from keras_perf.train_step._base import check_clipnorm, check_microbatches
+from keras_perf.train_step._remat import check_remat, check_remat_names
 
 # The backend's train step, chosen once (as keras/src/models/model.py picks its Trainer).
 if _backend.BACKEND == "tensorflow":
@@ -66,7 +67,16 @@ class LossScaleTrainStep(TrainStep):
       `ValueError` at the first step (docs/train_step.md): reduction `"none"`, a masked
       output under a normalising reduction, `add_loss()` in `call()`, and an overridden
       `compute_loss` unless the class sets `compute_loss_reduction = "sum_over_batch_size"`;
-    - `clipnorm`: clipping of the global norm of the *unscaled* gradients.
+    - `clipnorm`: clipping of the global norm of the *unscaled* gradients;
+    - `remat`: gradient checkpointing of the model as it is (built or not, trained or not):
+      the selected layers' activations are recomputed in the backward pass instead of kept,
+      for that step only (the model, its weights and its saved form are unchanged). `"full"`
+      recomputes every layer, `"activations"` the activation functions only,
+      `"larger_than"` the layers whose output has more than `remat_threshold` elements per
+      example, a list of names those layers. A layer that owns non-trainable variables
+      (BatchNormalization, Dropout's seed, quantizers) is never recomputed, its stateless
+      sublayers are: so the loss, gradients and moving statistics are those without remat.
+      Changeable between fits (`model.remat = "full"`) and saved with the model.
 
     The logs gain `grad_norm` (mean global norm of the unscaled gradients over this epoch's
     applied steps), `skipped_steps` (non-finite steps skipped this epoch) and, under float16,
@@ -86,13 +96,18 @@ class LossScaleTrainStep(TrainStep):
             Defaults to `None`.
         initial_scale: Loss scale to start from under float16. Defaults to `2**15`.
         dynamic_growth_steps: Finite steps after which the scale doubles. Defaults to `2000`.
+        remat: `None`, `"full"`, `"activations"`, `"larger_than"` or a list of layer names.
+            Defaults to `None`.
+        remat_threshold: Elements per example of a layer's output above which
+            `"larger_than"` recomputes it (only with that mode). Defaults to `None` (1024).
         **kwargs: Passed on to `keras.Model`.
 
     Raises:
         TypeError: `microbatches` or `dynamic_growth_steps` is not an int; or, when the class
             is created, the mixin is listed after `keras.Model` in its bases.
-        ValueError: `microbatches` < 1, `clipnorm` <= 0, `initial_scale` <= 0 or
-            `dynamic_growth_steps` < 1.
+        ValueError: `microbatches` < 1, `clipnorm` <= 0, `initial_scale` <= 0,
+            `dynamic_growth_steps` < 1, an unknown `remat` mode, or `remat_threshold` <= 0 or
+            without `remat="larger_than"`.
 
     Example:
         >>> import keras, keras_perf as kp, numpy as np
@@ -119,6 +134,10 @@ class LossScaledModel(LossScaleTrainStep, keras.Model):
 _KEEP = "keep"  # clipnorm's default in loss_scaled: the model's own setting (None for a new one)
 
 
+def _kept(value) -> bool:
+    return isinstance(value, str) and value == _KEEP
+
+
 def loss_scaled(
     model: keras.Model,
     microbatches: int | None = None,
@@ -126,6 +145,8 @@ def loss_scaled(
     *,
     initial_scale: float = 2.0**15,
     dynamic_growth_steps: int = 2000,
+    remat=_KEEP,
+    remat_threshold: float | None = None,
 ) -> keras.Model:
     """Give a Sequential or Functional model keras-perf's loss-scaling train step.
 
@@ -147,6 +168,12 @@ def loss_scaled(
             step.
         initial_scale: Initial loss scale under float16. Defaults to `2**15`.
         dynamic_growth_steps: Finite steps after which the scale doubles. Defaults to `2000`.
+        remat: Gradient checkpointing: `None`, `"full"`, `"activations"`, `"larger_than"` or a
+            list of layer names (see `kp.LossScaleTrainStep`). Defaults to `"keep"`: `None`,
+            or the model's own setting if it already has the train step.
+        remat_threshold: Elements per example of a layer's output above which
+            `"larger_than"` recomputes it. Defaults to `None` (1024, or the model's own
+            threshold when `remat` is kept).
 
     Returns:
         A `keras.Model` (a `kp.LossScaledModel`) that trains with the train step and saves and
@@ -155,7 +182,9 @@ def loss_scaled(
     Raises:
         TypeError: `model` is not a Keras model, or is a subclassed model (subclass
             `kp.LossScaleTrainStep` instead).
-        ValueError: a Sequential model that has no input shape yet, or bad settings.
+        ValueError: a Sequential model that has no input shape yet, or bad settings (an
+            unknown `remat` mode, a layer name `model` does not have, a `remat_threshold`
+            <= 0 or without `"larger_than"`).
 
     Example:
         >>> import keras, keras_perf as kp, numpy as np
@@ -166,7 +195,9 @@ def loss_scaled(
         >>> model.compile("adam", "mse")
         >>> h = model.fit(np.ones((8, 4)), np.ones((8, 2)), verbose=0)
         >>> sorted(h.history)
-        ['grad_norm', 'loss', 'skipped_steps']
+        ['grad_norm', 'loss', 'loss_scale', 'skipped_steps']
+        >>> model = kp.loss_scaled(model, remat="full")  # same model, now with remat
+        >>> _ = model.fit(np.ones((8, 4)), np.ones((8, 2)), verbose=0)
     """
     if not isinstance(model, keras.Model):
         raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
@@ -175,13 +206,27 @@ def loss_scaled(
         # Validate everything first, then apply (no half-updated model on error).
         microbatches = model.microbatches if microbatches is None else microbatches
         clipnorm = model.clipnorm if isinstance(clipnorm, str) and clipnorm == _KEEP else clipnorm
+        if _kept(remat):
+            remat = model.remat
+            if remat_threshold is None and remat == "larger_than":
+                remat_threshold = model.remat_threshold
         check_microbatches(microbatches)
         check_clipnorm(clipnorm)
+        remat, remat_threshold = check_remat(remat, remat_threshold)
+        check_remat_names(model, remat)
         model.microbatches, model.clipnorm = microbatches, clipnorm
+        model.set_remat(remat, remat_threshold)
         return model
     microbatches = 1 if microbatches is None else microbatches
     clipnorm = None if isinstance(clipnorm, str) and clipnorm == _KEEP else clipnorm
-    settings = dict(microbatches=microbatches, clipnorm=clipnorm)
+    remat, remat_threshold = check_remat(None if _kept(remat) else remat, remat_threshold)
+    check_remat_names(model, remat)
+    settings = dict(
+        microbatches=microbatches,
+        clipnorm=clipnorm,
+        remat=remat,
+        remat_threshold=remat_threshold,
+    )
     if not isinstance(model, keras.Sequential) and not keras_internals.is_functional(model):
         raise TypeError(
             f"kp.loss_scaled() takes Sequential and Functional models; {type(model).__name__} is "

@@ -36,6 +36,7 @@ from keras_perf._utils import (
     sum_of_squares,
     update_step_metrics,
 )
+from keras_perf.train_step._remat import RematSettings
 
 _STEP_METRICS = ("grad_norm", "skipped_steps")
 _REDUCTIONS = ("sum", "sum_over_batch_size", "mean", "mean_with_sample_weight")
@@ -191,7 +192,7 @@ class _SliceMean:
         )
 
 
-class TrainStepBase:
+class TrainStepBase(RematSettings):
     """Shared base of the per-backend train steps of `kp.LossScaleTrainStep`.
 
     Hook contract (the one place it is written down):

@@ -51,12 +51,17 @@ class TrainStep(TrainStepBase):
         """
         grad_fn = jax.value_and_grad(self.compute_loss_and_updates, has_aux=True)
         args = (trainable, non_trainable, metrics_vars, x, y, sw)
+        # The forward pass runs (is traced) inside grad_fn: remat applies there.
         if whole is None:
-            (_, aux), grads = grad_fn(*args, training=True, optimizer_variables=optimizer_vars)
+            with self._kp_remat():
+                (_, aux), grads = grad_fn(*args, training=True, optimizer_variables=optimizer_vars)
             ctx = None
         else:
             with self._kp_slice(whole[0], int(first_tensor(x).shape[0]), whole[1]) as ctx:
-                (_, aux), grads = grad_fn(*args, training=True, optimizer_variables=optimizer_vars)
+                with self._kp_remat():
+                    (_, aux), grads = grad_fn(
+                        *args, training=True, optimizer_variables=optimizer_vars
+                    )
         unscaled_loss, y_pred, non_trainable, metrics_vars = aux
         mapping = list(zip(self.metrics_variables, metrics_vars))
         # Keras' scope for running stateful Keras code on explicit state values (what Keras'

@@ -163,7 +163,8 @@ class TrainStep(TrainStepBase):
         With `ctx` (a cut batch), the loss is the slice's exact share of the full-batch loss
         (see `TrainStepBase._compute_loss`); without, the stock loss of the whole batch.
         """
-        y_pred = self(x, training=True) if self._call_has_training_arg else self(x)
+        with self._kp_remat():
+            y_pred = self(x, training=True) if self._call_has_training_arg else self(x)
         loss = self._compute_loss(
             x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
         )

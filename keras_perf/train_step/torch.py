@@ -103,7 +103,8 @@ class TrainStep(TrainStepBase):
                 xs, ys, sws = map_batch(lambda t, a=start, b=stop: t[a:b], (x, y, sample_weight))
                 ctx = self._kp_slice(batch, stop - start, sample_weight)
             with ctx as sl:
-                y_pred = self(xs, training=True) if self._call_has_training_arg else self(xs)
+                with self._kp_remat():
+                    y_pred = self(xs, training=True) if self._call_has_training_arg else self(xs)
                 loss = self._compute_loss(
                     x=xs, y=ys, y_pred=y_pred, sample_weight=sws, training=True
                 )

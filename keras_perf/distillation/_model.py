@@ -124,7 +124,7 @@ class DistillationModel(_FeatureDistillation, _DistillationConfig, LossScaleTrai
         >>> x, y = np.random.rand(64, 8).astype("float32"), np.random.randint(0, 3, 64)
         >>> h = distiller.fit(x, y, batch_size=32, epochs=1, verbose=0)
         >>> sorted(k for k in h.history if "loss" in k)
-        ['distillation_loss', 'loss', 'student_loss']
+        ['distillation_loss', 'loss', 'loss_scale', 'student_loss']
         >>> distiller.predict(x, verbose=0).shape
         (64, 3)
     """

@@ -122,7 +122,7 @@ class LossScaleTrainStep(TrainStep):
         >>> model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         >>> h = model.fit(np.zeros((8, 4)), np.zeros(8), batch_size=4, verbose=0)
         >>> sorted(k for k in h.history if k != "loss")
-        ['grad_norm', 'skipped_steps']
+        ['grad_norm', 'loss_scale', 'skipped_steps']
     """
 
 

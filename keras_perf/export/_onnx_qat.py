@@ -114,7 +114,7 @@ def float_copy(qat) -> keras.Model:
 
 def _batch_norm_folds(qat) -> dict:
     """{BatchNormalization name: the Dense/Conv layer (linear activation) it alone follows}."""
-    layers, consumers, _ = _graph(qat)
+    layers, consumers, *_ = _graph(qat)
     folds = {}
     for layer in layers:
         if not isinstance(layer, QuantizedKernelMixin) or isinstance(

@@ -13,6 +13,25 @@ import os
 import tempfile
 from pathlib import Path
 
+import keras
+
+from keras_perf._utils import check_choice, check_int
+
+
+def _check_export_arguments(model, path, quantization, quantizations, calibration_samples):
+    """The arguments every exporter (TFLite, ONNX) takes, checked before anything is written."""
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"`path` must be a str or path-like, got {type(path).__name__}.")
+    if quantization is not None and not isinstance(quantization, str):
+        raise TypeError(
+            f"`quantization` must be None or one of {quantizations[1:]}, got "
+            f"{type(quantization).__name__}."
+        )
+    check_choice("quantization", quantization, quantizations)
+    check_int("calibration_samples", calibration_samples, minimum=1)
+
 
 def _check_path(path) -> Path:
     path = Path(path)

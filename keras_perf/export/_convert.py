@@ -28,10 +28,16 @@ from collections.abc import Sequence
 import keras
 
 from keras_perf._imports import require
-from keras_perf._utils import check_bool, check_choice, check_int
+from keras_perf._utils import check_bool
 from keras_perf.backend import tflite as _tflite
 from keras_perf.export._calibration import _calibration, _check_calibration, _dataset
-from keras_perf.export._checks import _check_path, _input_count, _input_specs, _model_inputs
+from keras_perf.export._checks import (
+    _check_export_arguments,
+    _check_path,
+    _input_count,
+    _input_specs,
+    _model_inputs,
+)
 from keras_perf.export._metadata import METADATA_NAME, _report
 from keras_perf.export._qat import export_quantized
 from keras_perf.export._tensorflow_process import _export_via_tensorflow_process
@@ -124,17 +130,7 @@ def export_tflite(
         >>> report["input_dtype"], report["bytes"] < 10_000
         ('int8', True)
     """
-    if not isinstance(model, keras.Model):
-        raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"`path` must be a str or path-like, got {type(path).__name__}.")
-    if quantization is not None and not isinstance(quantization, str):
-        raise TypeError(
-            f"`quantization` must be None or one of {QUANTIZATIONS[1:]}, got "
-            f"{type(quantization).__name__}."
-        )
-    check_choice("quantization", quantization, QUANTIZATIONS)
-    check_int("calibration_samples", calibration_samples, minimum=1)
+    _check_export_arguments(model, path, quantization, QUANTIZATIONS, calibration_samples)
     check_bool("int8_io", int8_io)
     check_bool("allow_select_tf_ops", allow_select_tf_ops)
     if isinstance(custom_modules, str) or not all(isinstance(m, str) for m in custom_modules):

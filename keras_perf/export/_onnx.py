@@ -17,10 +17,14 @@ from pathlib import Path
 import keras
 import numpy as np
 
-from keras_perf._utils import check_choice, check_int
 from keras_perf.backend import onnx as _onnx
 from keras_perf.export._calibration import _calibration, _check_calibration
-from keras_perf.export._checks import _check_path, _input_count, _input_specs
+from keras_perf.export._checks import (
+    _check_export_arguments,
+    _check_path,
+    _input_count,
+    _input_specs,
+)
 
 QUANTIZATIONS = (None, "float16", "dynamic", "int8")
 METADATA_KEY = "keras_perf"
@@ -85,17 +89,7 @@ def export_onnx(
         >>> report["bytes"] < 10_000
         True
     """
-    if not isinstance(model, keras.Model):
-        raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
-    if not isinstance(path, (str, os.PathLike)):
-        raise TypeError(f"`path` must be a str or path-like, got {type(path).__name__}.")
-    if quantization is not None and not isinstance(quantization, str):
-        raise TypeError(
-            f"`quantization` must be None or one of {QUANTIZATIONS[1:]}, got "
-            f"{type(quantization).__name__}."
-        )
-    check_choice("quantization", quantization, QUANTIZATIONS)
-    check_int("calibration_samples", calibration_samples, minimum=1)
+    _check_export_arguments(model, path, quantization, QUANTIZATIONS, calibration_samples)
     from keras_perf import quantization as _quantization
 
     qat = _quantization.is_quantized_model(model)

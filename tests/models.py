@@ -247,3 +247,16 @@ def compile_model(arch, model, optimizer=None, **kwargs):
     optimizer = optimizer if optimizer is not None else keras.optimizers.SGD(0.05)
     model.compile(optimizer=optimizer, **arch.loss(), **kwargs)
     return model
+
+
+def digits_cnn(seed=0):
+    """Conv-BN-ReLU, MaxPool, Dense on 8x8x1 digits images (QAT and ONNX tests)."""
+    keras.utils.set_random_seed(seed)
+    inp = keras.Input((8, 8, 1), name="image")
+    h = keras.layers.Conv2D(8, 3, padding="same")(inp)
+    h = keras.layers.BatchNormalization()(h)
+    h = keras.layers.ReLU()(h)
+    h = keras.layers.MaxPooling2D()(h)
+    h = keras.layers.Flatten()(h)
+    h = keras.layers.Dense(32, activation="relu")(h)
+    return keras.Model(inp, keras.layers.Dense(10)(h))

@@ -20,21 +20,15 @@ from keras_perf.quantization import ActivationQuantizer
 onnx = pytest.importorskip("onnx")
 pytest.importorskip("onnxruntime")
 
+from tests import models  # noqa: E402
+
 BACKEND = keras.backend.backend()
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
 def cnn(seed=0):
     """Conv-BN-ReLU, MaxPool (jax2onnx's 6-D MaxPool, rewritten), Dense: digits images."""
-    keras.utils.set_random_seed(seed)
-    inp = keras.Input((8, 8, 1), name="image")
-    h = keras.layers.Conv2D(8, 3, padding="same")(inp)
-    h = keras.layers.BatchNormalization()(h)
-    h = keras.layers.ReLU()(h)
-    h = keras.layers.MaxPooling2D()(h)
-    h = keras.layers.Flatten()(h)
-    h = keras.layers.Dense(32, activation="relu")(h)
-    return keras.Model(inp, keras.layers.Dense(10)(h))
+    return models.digits_cnn(seed)
 
 
 def fit(model, x, y, epochs):

@@ -14,15 +14,7 @@ LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
 def cnn(seed=0):
-    keras.utils.set_random_seed(seed)
-    inp = keras.Input((8, 8, 1), name="image")
-    h = keras.layers.Conv2D(8, 3, padding="same")(inp)
-    h = keras.layers.BatchNormalization()(h)
-    h = keras.layers.ReLU()(h)
-    h = keras.layers.MaxPooling2D()(h)
-    h = keras.layers.Flatten()(h)
-    h = keras.layers.Dense(32, activation="relu")(h)
-    return keras.Model(inp, keras.layers.Dense(10)(h))
+    return models.digits_cnn(seed)
 
 
 def mlp():

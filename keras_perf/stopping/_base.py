@@ -62,7 +62,7 @@ def _metric_direction(model, monitor: str):
     if model is not None and hasattr(model, "metrics"):
         found = []
         for metric in model.metrics:
-            # keras.src.trainers.compile_utils.CompileMetrics / MetricsList (not imported:
+            # Keras' CompileMetrics / MetricsList (trainers/compile_utils.py; not imported:
             # private); Keras expands exactly these two.
             if type(metric).__name__ in ("CompileMetrics", "MetricsList"):
                 found.extend(metric.metrics)

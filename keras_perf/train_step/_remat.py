@@ -29,7 +29,7 @@ import keras
 from keras import ops
 
 from keras_perf import _keras_internals as keras_internals
-from keras_perf._utils import check_number
+from keras_perf._utils import check_number, iter_layers
 
 MODES = ("full", "activations", "larger_than")
 DEFAULT_THRESHOLD = 1024
@@ -83,7 +83,7 @@ def check_remat_names(model, remat) -> None:
     """Raise if a listed layer name is not in `model`, or names a stateful layer."""
     if not isinstance(remat, tuple):
         return
-    layers = {layer.name: layer for layer in _all_layers(model)}
+    layers = {layer.name: layer for layer in iter_layers(model)}
     if not layers:
         return  # a subclassed model before its first call: checked again at the first step
     missing = [n for n in remat if n not in layers]
@@ -98,18 +98,6 @@ def check_remat_names(model, remat) -> None:
             f"`remat` names layers whose call changes their state (moving statistics, random "
             f"seeds): {stateful}; recomputing them would change it twice. Leave them out."
         )
-
-
-def _all_layers(model):
-    seen, out, stack = {id(model)}, [], list(reversed(_direct_sublayers(model)))
-    while stack:
-        layer = stack.pop()
-        if id(layer) in seen:
-            continue
-        seen.add(id(layer))
-        out.append(layer)
-        stack.extend(reversed(_direct_sublayers(layer)))
-    return out
 
 
 def _per_example(shape) -> int:
@@ -132,7 +120,7 @@ def plan(model, remat, threshold):
         return []
     if isinstance(remat, tuple):
         check_remat_names(model, remat)
-        return [(layer, "call") for layer in _all_layers(model) if layer.name in remat]
+        return [(layer, "call") for layer in iter_layers(model) if layer.name in remat]
     threshold = DEFAULT_THRESHOLD if threshold is None else threshold
     chosen = []
 

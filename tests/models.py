@@ -260,3 +260,22 @@ def digits_cnn(seed=0):
     h = keras.layers.Flatten()(h)
     h = keras.layers.Dense(32, activation="relu")(h)
     return keras.Model(inp, keras.layers.Dense(10)(h))
+
+
+def mixed_and_float32_twins(policy="mixed_bfloat16"):
+    """A two-input Functional model (a nested Sequential, Dropout) built under `policy`, and
+    the same graph built in float32 with the same weights."""
+
+    def build():
+        a, b = keras.Input((8,), name="a"), keras.Input((4,), name="b")
+        inner = keras.Sequential([keras.Input((12,)), keras.layers.Dense(16, activation="relu")])
+        h = keras.layers.Dropout(0.2)(inner(keras.layers.Concatenate()([a, b])))
+        return keras.Model([a, b], keras.layers.Dense(3, dtype="float32")(h))
+
+    keras.mixed_precision.set_global_policy(policy)
+    keras.utils.set_random_seed(0)
+    mixed = build()
+    keras.mixed_precision.set_global_policy("float32")
+    plain = build()
+    plain.set_weights(mixed.get_weights())
+    return mixed, plain

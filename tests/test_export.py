@@ -588,3 +588,67 @@ def test_lstm_needs_select_tf_ops_and_says_so(tmp_path):
         assert "no Flex delegate" in str(e) and "TensorListReserve" in str(e)
     else:
         np.testing.assert_allclose(got, model.predict(x, verbose=0), atol=1e-5)
+
+
+def test_mixed_precision_model_exports_its_float32_computation(tmp_path):
+    """Under a mixed policy the variables are float32 and TFLite has no bfloat16 kernels: the
+    file computes in float32 (it used to fail with "the loop of an LSTM/GRU")."""
+    mixed, plain = models.mixed_and_float32_twins()
+    xs = [np.random.default_rng(1).random((16, n), dtype="float32") for n in (8, 4)]
+    report = kp.export_tflite(mixed, tmp_path / "m.tflite")
+    assert report["input_order"] == ["a", "b"]
+    got = kp.tflite_predict(tmp_path / "m.tflite", xs)
+    np.testing.assert_allclose(got, plain.predict(xs, verbose=0), atol=1e-5)
+    # The model itself is untouched: still mixed, still the same weights.
+    assert mixed.layers[-2].dtype_policy.name == "mixed_bfloat16"
+    for u, v in zip(mixed.get_weights(), plain.get_weights()):
+        np.testing.assert_array_equal(u, v)
+
+
+@pytest.mark.backends("tensorflow", "jax")
+def test_mixed_precision_subclassed_model_is_a_clear_error(tmp_path):
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.dense = keras.layers.Dense(3)
+
+        def call(self, x):
+            return self.dense(x)
+
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = Net()
+        model(np.zeros((1, 8), "float32"))
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    with pytest.raises(ValueError, match=r"subclassed.*'dense' \(mixed_float16\).*set_weights"):
+        kp.export_tflite(model, tmp_path / "m.tflite")
+    assert not (tmp_path / "m.tflite").exists()
+
+
+@pytest.mark.backends("jax")
+def test_jax_dropout_layers_export_as_identity(tmp_path):
+    """Keras' JAX SavedModel writes the Dropout seed state back (uint32, no TFLite kernel)."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(16),
+            keras.layers.Dropout(0.3),
+            keras.layers.GaussianNoise(0.1),
+            keras.layers.Dense(3),
+        ]
+    )
+    x = np.random.default_rng(0).random((16, 8), dtype="float32")
+    kp.export_tflite(model, tmp_path / "m.tflite")
+    got = kp.tflite_predict(tmp_path / "m.tflite", x)
+    np.testing.assert_allclose(got, model.predict(x, verbose=0), atol=1e-5)
+
+
+@pytest.mark.backends("jax")
+def test_jax_seed_state_inside_a_layer_is_a_clear_error(tmp_path):
+    a = keras.Input((4, 8))
+    model = keras.Model(a, keras.layers.MultiHeadAttention(2, 4, dropout=0.2, name="mha")(a, a))
+    with pytest.raises(ValueError, match=r"'mha/.*TensorFlow backend"):
+        kp.export_tflite(model, tmp_path / "m.tflite")
+    assert not (tmp_path / "m.tflite").exists()

@@ -317,3 +317,13 @@ def test_docstring_examples_run():
         for test in doctest.DocTestFinder().find(fn, globs={}):
             runner.run(test)
     assert runner.tries >= 10 and runner.failures == 0
+
+
+def test_mixed_precision_model_exports_its_float32_computation(tmp_path):
+    """ONNX Runtime's CPU kernels have no bfloat16: the file computes in float32."""
+    mixed, plain = models.mixed_and_float32_twins()
+    xs = [np.random.default_rng(1).random((16, n), dtype="float32") for n in (8, 4)]
+    kp.export_onnx(mixed, tmp_path / "m.onnx")
+    got = kp.onnx_predict(tmp_path / "m.onnx", xs)
+    np.testing.assert_allclose(got, plain.predict(xs, verbose=0), atol=1e-5)
+    assert mixed.layers[-2].dtype_policy.name == "mixed_bfloat16"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import keras
 
-from keras_perf._utils import check_choice, check_int
+from keras_perf._utils import check_choice, check_int, iter_layers
 
 
 def _check_export_arguments(model, path, quantization, quantizations, calibration_samples):
@@ -83,3 +83,114 @@ def _input_specs(model) -> list[tuple] | None:
     if not inputs:
         return None
     return [(t.name, tuple(t.shape), str(t.dtype)) for t in inputs]
+
+
+def _reduced_precision_layers(model) -> list[tuple[str, str]]:
+    """`(layer name, policy name)` of every layer that computes below float32."""
+    found = []
+    for layer in [model, *iter_layers(model)]:
+        policy = getattr(layer, "dtype_policy", None)
+        compute = getattr(policy, "compute_dtype", "float32")
+        if compute in ("float16", "bfloat16") and not isinstance(layer, keras.layers.InputLayer):
+            found.append((layer.name, policy.name))
+    return found
+
+
+# Layers that are the identity at inference and hold a random-seed state variable. Keras' JAX
+# SavedModel writes that state back after each call (a uint32 variable TFLite cannot assign).
+_INFERENCE_IDENTITY = (
+    keras.layers.Dropout,
+    keras.layers.SpatialDropout1D,
+    keras.layers.SpatialDropout2D,
+    keras.layers.SpatialDropout3D,
+    keras.layers.GaussianNoise,
+    keras.layers.GaussianDropout,
+    keras.layers.AlphaDropout,
+)
+
+
+def _seeded(layer) -> bool:
+    return isinstance(getattr(layer, "seed_generator", None), keras.random.SeedGenerator)
+
+
+def export_twin(model, exporter: str, seed_state: bool = True) -> keras.Model:
+    """`model` itself, or the inference twin an exporter converts instead.
+
+    Two things in a trained model have no place in a deployed file:
+
+    - Reduced precision. Under `mixed_float16`/`mixed_bfloat16` a layer's variables are
+      float32 and only its computation is in half precision; TFLite's builtin kernels and ONNX
+      Runtime's CPU kernels have no bfloat16 (and few float16) versions, so the exported model
+      computes in float32 (the quantized modes then quantize from it).
+    - On JAX, the seed state of Dropout-like layers: Keras' JAX SavedModel assigns it back after
+      every call, and TFLite cannot hold the uint32 variable. These layers are the identity at
+      inference, so the twin has `Identity` in their place (`seed_state=False` keeps them:
+      the ONNX exporters do not write that state).
+
+    The twin is the same Sequential or Functional graph cloned from the layers' configs, given
+    the trained weights. A subclassed model cannot be cloned from its config, so it gets a
+    `ValueError` saying how to rebuild it.
+    """
+    from keras_perf._keras_internals import is_functional
+
+    reduced = _reduced_precision_layers(model)
+    jax = seed_state and keras.backend.backend() == "jax"
+    random = [
+        layer.name
+        for layer in iter_layers(model)
+        if jax and isinstance(layer, _INFERENCE_IDENTITY) and _seeded(layer)
+    ]
+    if not reduced and not random:
+        return _refuse_seed_state(model, exporter) if jax else model
+    why = []
+    if reduced:
+        names = ", ".join(f"{name!r} ({policy})" for name, policy in reduced[:3])
+        why.append(f"its layers {names} compute in reduced precision")
+    if random:
+        why.append(f"its layers {random[:3]} hold a random-seed state (JAX)")
+    why = " and ".join(why)
+    if not isinstance(model, keras.Sequential) and not is_functional(model):
+        raise ValueError(
+            f"{exporter} cannot convert this subclassed model as it is: {why}. Build it again "
+            "under `keras.mixed_precision.set_global_policy('float32')` (and without the "
+            "Dropout-like layers on JAX), call it once on a batch, copy the weights "
+            "(`twin.set_weights(model.get_weights())`) and export the twin."
+        )
+
+    def clone(layer):
+        if jax and isinstance(layer, _INFERENCE_IDENTITY) and _seeded(layer):
+            return keras.layers.Identity(name=layer.name, dtype="float32" if reduced else None)
+        config = layer.get_config()
+        if reduced and "dtype" in config and not isinstance(layer, keras.layers.InputLayer):
+            config["dtype"] = "float32"
+        return type(layer).from_config(config)
+
+    try:
+        twin = keras.models.clone_model(model, clone_function=clone, recursive=True)
+        twin.set_weights(model.get_weights())
+    except Exception as e:  # A layer whose config does not round-trip: say what was needed.
+        raise ValueError(
+            f"{exporter} converts an inference copy of this model because {why}, and making "
+            f"the copy failed ({type(e).__name__}: {e}). Rebuild the model under "
+            "`keras.mixed_precision.set_global_policy('float32')` (without Dropout-like layers "
+            "on JAX), load the weights and export that."
+        ) from e
+    return _refuse_seed_state(twin, exporter) if jax else twin
+
+
+def _refuse_seed_state(model, exporter: str) -> keras.Model:
+    """`model`, or a `ValueError` naming the layers whose seed state is inside another layer."""
+    nested = [
+        f"{layer.name}/{inner.name}"
+        for layer in iter_layers(model)
+        for inner in iter_layers(layer)
+        if _seeded(inner)
+    ]
+    if nested:
+        raise ValueError(
+            f"{exporter} on JAX cannot convert the random-seed state of layers {nested[:3]} "
+            "(a layer's own dropout, as in an LSTM or a MultiHeadAttention): Keras' JAX "
+            "SavedModel writes it back after every call and TFLite has no uint32 variables. "
+            "Export from the TensorFlow backend (save the model as .keras and load it there)."
+        )
+    return model

@@ -37,6 +37,7 @@ from keras_perf.export._checks import (
     _input_count,
     _input_specs,
     _model_inputs,
+    export_twin,
 )
 from keras_perf.export._metadata import METADATA_NAME, _report
 from keras_perf.export._qat import export_quantized
@@ -165,6 +166,7 @@ def export_tflite(
             "`keras.Input(shape)`, or call it once on a batch (`model(x[:1])`) before exporting."
         )
     path = _check_path(path)
+    model = export_twin(model, "export_tflite")  # Mixed precision, JAX dropout: see export_twin.
     specs = _input_specs(model)  # None: a subclassed model, its signature is read on export.
 
     calibration = None

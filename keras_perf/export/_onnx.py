@@ -24,6 +24,7 @@ from keras_perf.export._checks import (
     _check_path,
     _input_count,
     _input_specs,
+    export_twin,
 )
 
 QUANTIZATIONS = (None, "float16", "dynamic", "int8")
@@ -122,6 +123,8 @@ def export_onnx(
             "Sequential or Functional model that starts with `keras.Input(shape)`."
         )
     path = _check_path(path)
+    if not qat:
+        model = export_twin(model, "export_onnx", seed_state=False)  # Mixed precision.
     backend = keras.backend.backend()
     _onnx.require_onnx("export_onnx", backend)
     calibration = None

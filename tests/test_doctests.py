@@ -2,7 +2,7 @@
 
 The modules are found by walking the package, so a new module's examples run without being
 listed here. An example belongs to the module whose file defines it (a class re-exported by a
-package `__init__` with its `__module__` changed is still tested once, with its part). Each
+package `__init__` is tested once, with its part, whatever its `__module__` says). Each
 module's examples run in a fresh temporary working directory (files they write go there) after
 `keras.utils.set_random_seed(0)` and with a cleared Keras session (layer names start at
 "dense"), with ELLIPSIS and NORMALIZE_WHITESPACE. As in Keras' own docstrings, the examples
@@ -137,7 +137,7 @@ def test_a_wrong_example_fails_and_a_right_one_passes():
 
 
 def test_examples_belong_to_the_file_that_defines_them():
-    """`PruningCallback.__module__` is the package: its examples still run once, with its part."""
+    """`keras_perf.pruning` re-exports `PruningCallback`: its examples run once, with its part."""
     import keras_perf.pruning
     import keras_perf.pruning._callback
 

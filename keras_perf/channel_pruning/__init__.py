@@ -20,9 +20,3 @@ from keras_perf.channel_pruning._report import channel_report
 from keras_perf.channel_pruning._shrink import shrink
 
 __all__ = ["ChannelGraphError", "ChannelPruningCallback", "channel_report", "shrink"]
-
-# The classes show the public module (in reprs, tracebacks and the `"module"` Keras writes into
-# a serialized config); the registered name `keras_perf>ChannelPruningCallback` is unchanged.
-for _cls in (ChannelGraphError, ChannelPruningCallback):
-    _cls.__module__ = __name__
-del _cls

@@ -11,5 +11,3 @@ from keras_perf.lr_finder._curve import LRFinderResult, steepest_descent
 from keras_perf.lr_finder._finder import find_learning_rate
 
 __all__ = ["LRFinderResult", "find_learning_rate", "steepest_descent"]
-
-LRFinderResult.__module__ = __name__

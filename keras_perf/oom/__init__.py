@@ -46,10 +46,8 @@ from __future__ import annotations
 
 from keras_perf.oom._probe import find_max_microbatch
 from keras_perf.oom._retry import fit_with_oom_retry
-from keras_perf.oom._rungs import PerUpdateSchedule
+
+# Importable from here as before the split (pickles name `keras_perf.oom.PerUpdateSchedule`).
+from keras_perf.oom._rungs import PerUpdateSchedule  # noqa: F401
 
 __all__ = ["fit_with_oom_retry", "find_max_microbatch"]
-
-# `PerUpdateSchedule` keeps `keras_perf.oom` as its module, as before the split into parts:
-# Keras writes it into serialized configs (`"module"`), and it shows in reprs and pickles.
-PerUpdateSchedule.__module__ = __name__

@@ -38,9 +38,3 @@ __all__ = [
     "sparsity_report",
     "strip_pruning",
 ]
-
-# The public classes keep `keras_perf.pruning` as their module, as before the split into parts:
-# Keras writes it into serialized configs (`"module"`), and it shows in reprs and pickles.
-for _cls in (ConstantSparsity, PolynomialDecay, PruningCallback, PruningSchedule):
-    _cls.__module__ = __name__
-del _cls

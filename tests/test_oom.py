@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 import keras_perf as kp
+from tests import models
 
 BACKEND = keras.backend.backend()
 SCE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
@@ -721,10 +722,7 @@ def _bn_model(seed=0):
 
 
 def _mlp(seed=0):
-    keras.utils.set_random_seed(seed)
-    return keras.Sequential(
-        [keras.Input((6,)), keras.layers.Dense(8, activation="gelu"), keras.layers.Dense(3)]
-    )
+    return models.mlp([8], 6, 3, activation="gelu", seed=seed)
 
 
 @pytest.mark.parametrize(

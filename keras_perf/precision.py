@@ -270,6 +270,28 @@ def _decide(device: dict, speedup: dict, measure_steps) -> tuple[str, str]:
     )
 
 
+def cpu_policy_to_try() -> tuple[str | None, str]:
+    """The half-precision policy worth timing on this CPU, without measuring anything new.
+
+    `diagnose` times it on the user's own model. This process's `precision_report()` decides
+    where it has run; otherwise a CPU with bfloat16 units (`avx512_bf16`, `amx_bf16`) is tried
+    with `mixed_bfloat16` and one without is not.
+
+    Returns:
+        `(policy, reason)`: `policy` is `"mixed_bfloat16"`, or `None` with the reason it is not
+        worth trying.
+    """
+    report = _CACHE.get("report")
+    if report is not None and report["device"]["kind"] == "CPU":
+        if report["policy"] == "float32":
+            return None, f"kp.precision_report() measured it: {report['reason']}"
+        return report["policy"], report["reason"]
+    units = [f for f in _cpu_info().get("half_precision_units", []) if "bf16" in f]
+    if not units:
+        return None, "this CPU has no bfloat16 units (avx512_bf16, amx_bf16)"
+    return "mixed_bfloat16", f"this CPU has bfloat16 units ({', '.join(units)})"
+
+
 def measured_peak_flops(dtype: str) -> float | None:
     """Measured matmul FLOP/s of `dtype` on this backend and device: the peak MFU is taken
     against on a CPU, where no data sheet applies. Uses this process's precision report where

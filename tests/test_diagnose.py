@@ -253,6 +253,44 @@ def test_mixed_precision_what_if_on_an_accelerator_leaves_the_policy_and_model_a
         np.testing.assert_array_equal(a, b)
 
 
+def test_mixed_precision_on_a_cpu_follows_the_report_or_its_bfloat16_units(digits, monkeypatch):
+    """On a CPU, `mixed_bfloat16` is timed on the model where the CPU has bfloat16 units (or
+    this process's precision report picked it); not offered, with the reason, otherwise. The
+    CPU's flags and the report are pretended, so the rule is tested on any machine."""
+    from keras_perf import backend as _backend
+    from keras_perf import precision
+
+    monkeypatch.setattr(_backend, "has_accelerator", lambda: False)
+    monkeypatch.setattr(precision, "_CACHE", {})
+    monkeypatch.setattr(precision, "_cpu_info", lambda: {"half_precision_units": ["amx_bf16"]})
+    seen = _record_fits(monkeypatch)
+    (x, y), _ = digits
+    _only(monkeypatch, "mixed precision")
+    model = small_mlp()
+    before = _variables(model)
+    d = kp.diagnose(model, x, y, batch_size=64, steps=8, max_seconds=15)
+    mixed = [w for w in d.what_if if w["change"] == "mixed precision (mixed_bfloat16)"]
+    assert mixed and mixed[0]["speedup"] > 0, (str(d), d.notes)
+    assert any(p == "mixed_bfloat16" for p, _, _ in seen), seen  # the bfloat16 twin was timed
+    assert keras.mixed_precision.global_policy().name == "float32"
+    assert model.dtype_policy.name == "float32"
+    for a, b in zip(before, _variables(model)):
+        np.testing.assert_array_equal(a, b)
+
+    monkeypatch.setattr(precision, "_cpu_info", lambda: {"half_precision_units": []})
+    d = kp.diagnose(model, x, y, batch_size=64, steps=8, max_seconds=5)
+    assert not [w for w in d.what_if if w["change"].startswith("mixed precision")], str(d)
+    assert any("no bfloat16 units" in n for n in d.notes), d.notes
+
+    # A report that measured float32 here overrides the units.
+    measured = {"device": {"kind": "CPU"}, "policy": "float32", "reason": "kernels 1.05x"}
+    monkeypatch.setattr(precision, "_CACHE", {"report": measured})
+    monkeypatch.setattr(precision, "_cpu_info", lambda: {"half_precision_units": ["amx_bf16"]})
+    d = kp.diagnose(model, x, y, batch_size=64, steps=8, max_seconds=5)
+    assert not [w for w in d.what_if if w["change"].startswith("mixed precision")], str(d)
+    assert any("precision_report() measured it: kernels 1.05x" in n for n in d.notes), d.notes
+
+
 def test_memory_bound_batch_is_micro_batched_instead(digits, monkeypatch):
     """Where twice the peak memory does not fit, the larger batch is timed in slices of the
     current one (kp.loss_scaled's micro-batching), not as it is."""

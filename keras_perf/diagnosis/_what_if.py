@@ -234,13 +234,20 @@ def _jit_compile(ctx, notes) -> Change | None:
 
 
 def _mixed_precision(ctx, notes) -> Change | None:
-    """The policy `kp.setup_mixed_precision("auto")` picks, on a GPU or TPU, for a float32 twin."""
-    if not _backend.has_accelerator():
-        return None
+    """A float32 twin's half-precision policy: the device rule's on a GPU or TPU; on a CPU
+    `mixed_bfloat16` where `kp.precision_report()` (if it has run) or the CPU's bfloat16 units
+    say it may pay. Timed on the user's model like every change, so a loss shows as one."""
     from keras_perf.mixed_precision import auto_policy
+    from keras_perf.precision import cpu_policy_to_try
 
     twin = ctx.twin
-    policy = auto_policy()  # float16 on GPUs with tensor cores, bfloat16 on TPUs
+    if not _backend.has_accelerator():
+        policy, reason = cpu_policy_to_try()
+        if policy is None:
+            notes.append(f"mixed precision not offered on this CPU: {reason}.")
+            return None
+    else:
+        policy = auto_policy()  # float16 on GPUs with tensor cores, bfloat16 on TPUs
     if policy == "float32":
         notes.append(
             "mixed precision not offered: this GPU has no float16 tensor cores (compute "

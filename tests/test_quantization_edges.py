@@ -8,6 +8,7 @@ import pytest
 
 import keras_perf as kp
 from keras_perf.quantization import ActivationQuantizer
+from tests import models
 
 BACKEND = keras.backend.backend()
 
@@ -432,3 +433,42 @@ def test_an_adapted_lookup_keeps_its_vocabulary_and_its_integer_output(tmp_path)
     np.testing.assert_allclose(np_(qat(x)), expected, atol=0.05 * np.abs(expected).max())
     loaded = save_load(qat, tmp_path / "lookup.keras")
     np.testing.assert_array_equal(np_(loaded(x)), np_(qat(x)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Export of a quantization-aware model: a right file, or a ValueError before any file
+# ---------------------------------------------------------------------------------------------
+
+
+def _fitted_qat(arch_name):
+    arch = models.ARCHS[arch_name]
+    keras.utils.set_random_seed(0)
+    qat = kp.quantize_aware(arch.build())
+    x, y, _ = models.make_data(arch, 32)
+    models.compile_model(arch, qat).fit(x, y, batch_size=16, epochs=1, verbose=0)
+    return qat, x
+
+
+@pytest.mark.parametrize("exporter", ["tflite", "onnx"])
+def test_an_unfitted_qat_model_is_refused_before_a_file_is_written(exporter, tmp_path):
+    """Regression: `export_tflite` wrote an int8 file from the initial (-6, 6) ranges without a
+    word. Both exporters share the check."""
+    qat = kp.quantize_aware(models.mlp([6], 8, 3, seed=0, hidden_names=["hidden"], out_name="head"))
+    path = tmp_path / f"m.{exporter}"
+    export = kp.export_tflite if exporter == "tflite" else kp.export_onnx
+    with pytest.raises(
+        ValueError,
+        match=r"\['input_quant', 'hidden_quant', 'head_quant'\] have never seen a "
+        r"training batch.*\(-6, 6\).*train the model \(fit\)",
+    ):
+        export(qat, path, "int8")
+    assert not path.exists()
+    # One training batch that is all zero for a tensor (a dead ReLU) sets its range to [0, tiny]
+    # without counting as its first: that tensor is trained, not refused.
+    from keras_perf.quantization._model import check_learned_ranges
+
+    qat(np.zeros((4, 8), "float32"), training=True)
+    assert {n: float(np_(q.initialized)) for n, q in quantizers(qat).items()} == dict.fromkeys(
+        ["input_quant", "hidden_quant", "head_quant"], 0.0
+    )
+    check_learned_ranges(qat, "TFLite's int8 export")

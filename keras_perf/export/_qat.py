@@ -21,13 +21,11 @@ import tempfile
 
 import keras
 
-from keras_perf._utils import iter_layers
 from keras_perf.backend import tflite as _tflite
 from keras_perf.export._checks import _check_path, _input_specs
 from keras_perf.export._metadata import METADATA_NAME, _report
 from keras_perf.export._tensorflow_process import _export_via_tensorflow_process
-from keras_perf.quantization import ActivationQuantizer
-from keras_perf.quantization._model import constant_kernels
+from keras_perf.quantization._model import check_learned_ranges, constant_kernels
 
 
 def export_quantized(
@@ -44,17 +42,9 @@ def export_quantized(
             "`representative_data` is not used for a quantization-aware model: its activation "
             "ranges were learned in training. Drop the argument."
         )
-    sixteen = sorted(
-        {q.num_bits for q in iter_layers(model) if isinstance(q, ActivationQuantizer)} - {8}
-    )
-    if sixteen:
-        raise ValueError(
-            f"TFLite's int8 export needs 8-bit activations; this model's activation "
-            f"quantizers have {sixteen} bits. Make it with `quantize_aware(..., "
-            "activation_bits=8)`."
-        )
     if not model.built or not model.inputs:
         raise ValueError("`model` is not built; give it an `Input` before exporting.")
+    check_learned_ranges(model, "TFLite's int8 export")  # 8 bits, learned: before any file
     path = _check_path(path)
     if keras.backend.backend() != "tensorflow":
         return _export_via_tensorflow_process(

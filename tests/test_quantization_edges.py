@@ -472,3 +472,61 @@ def test_an_unfitted_qat_model_is_refused_before_a_file_is_written(exporter, tmp
         ["input_quant", "hidden_quant", "head_quant"], 0.0
     )
     check_learned_ranges(qat, "TFLite's int8 export")
+
+
+@pytest.mark.backends("tensorflow")
+def test_a_qat_bilstm_names_its_lstm_and_exports_with_select_tf_ops(tmp_path):
+    """Regression: the converter's MLIR text was the whole error. The LSTM loop has no TFLite
+    builtin ops: the error names the layer and the option, which writes the file."""
+    qat, _ = _fitted_qat("bilstm")
+    path = tmp_path / "m.tflite"
+    with pytest.raises(
+        ValueError, match=r"(?s)Bidirectional 'bilstm'.*allow_select_tf_ops=True"
+    ) as e:
+        kp.export_tflite(qat, path, "int8")
+    # A short quote of the converter's errors, not its MLIR source locations.
+    assert "'tf.TensorListReserve' op requires element_shape to be static" in str(e.value)
+    assert "callsite" not in str(e.value) and len(str(e.value)) < 1000
+    assert not path.exists()
+    report = kp.export_tflite(qat, path, "int8", allow_select_tf_ops=True)
+    assert "TensorListReserve" in report["select_tf_ops"]
+    # The token ids stay int32 (they are exact); the Dense head after the loop is int8.
+    assert report["input_dtype"] == "int32" and report["output_dtype"] == "int8"
+    assert path.stat().st_size == report["bytes"]
+
+
+@pytest.mark.backends("tensorflow")
+def test_a_qat_transformer_is_refused_naming_the_layers_tflite_keeps_in_float(tmp_path):
+    """Regression: "72 inner tensor(s) stayed float32 (encoder_1/ln2_1/Reshape, ...)". The
+    insides of MultiHeadAttention and LayerNormalization have no learned range; the Dense
+    layers on the sequence (ff1, ff2) convert and are not named."""
+    qat, _ = _fitted_qat("transformer")
+    path = tmp_path / "m.tflite"
+    for select in (False, True):  # select TF ops do not make float layers acceptable
+        with pytest.raises(ValueError) as e:
+            kp.export_tflite(qat, path, "int8", allow_select_tf_ops=select)
+        msg = str(e.value)
+        assert "MultiHeadAttention 'mha'" in msg and "LayerNormalization 'ln1', 'ln2'" in msg
+        assert "'ff1'" not in msg and "'ff2'" not in msg and "Reshape" not in msg
+        assert "quantization='dynamic'" in msg
+        assert not path.exists()
+
+
+@pytest.mark.backends("tensorflow")
+def test_a_qat_dense_on_a_sequence_exports_full_integer(tmp_path):
+    """Regression: a Dense on a (batch, steps, features) input stayed float in the file (its
+    matmul became Reshape-MatMul-Reshape, the ranges learned after it did not reach it)."""
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((models.SEQ_LEN, 16))
+    h = keras.layers.Dense(8, activation="relu", name="ff")(inp)
+    out = keras.layers.Dense(4, name="head")(keras.layers.GlobalAveragePooling1D()(h))
+    qat = kp.quantize_aware(keras.Model(inp, out))
+    x = np.random.default_rng(0).normal(size=(64, models.SEQ_LEN, 16)).astype("float32")
+    qat.compile("sgd", "mse")
+    qat.fit(x, np.ones((64, 4), "float32"), epochs=1, verbose=0)
+    report = kp.export_tflite(qat, tmp_path / "m.tflite", "int8")
+    interp = kp.backend.tflite.interpreter((tmp_path / "m.tflite").read_bytes(), allocate=False)
+    assert all(np.dtype(t["dtype"]) != np.float32 for t in interp.get_tensor_details())
+    step = report["output_quantization"][0]
+    got = kp.tflite_predict(tmp_path / "m.tflite", x)
+    assert np.abs(got - np_(qat(x))).max() <= 2 * step + 1e-6

@@ -530,3 +530,24 @@ def test_a_qat_dense_on_a_sequence_exports_full_integer(tmp_path):
     step = report["output_quantization"][0]
     got = kp.tflite_predict(tmp_path / "m.tflite", x)
     assert np.abs(got - np_(qat(x))).max() <= 2 * step + 1e-6
+
+
+@pytest.mark.backends("jax", "torch")
+def test_a_failed_qat_export_names_the_backend_in_use(tmp_path):
+    """Regression: on JAX the child-process error spoke of "the PyTorch backend". A layer class
+    local to this test cannot be loaded in the TensorFlow child process."""
+
+    class Scale(keras.layers.Layer):
+        def call(self, x):
+            return 2.0 * x
+
+    inp = keras.Input((8,))
+    model = keras.Model(inp, keras.layers.Dense(3)(Scale()(keras.layers.Dense(4)(inp))))
+    qat = kp.quantize_aware(model)
+    qat(np.ones((4, 8), "float32"), training=True)
+    name = {"jax": "JAX", "torch": "PyTorch"}[BACKEND]
+    with pytest.raises(RuntimeError, match=f"on the {name} backend") as e:
+        kp.export_tflite(qat, tmp_path / "m.tflite", "int8")
+    other = {"jax": "PyTorch", "torch": "JAX"}[BACKEND]
+    assert other not in str(e.value) and "custom_modules" in str(e.value)
+    assert not (tmp_path / "m.tflite").exists()

@@ -99,8 +99,9 @@ def export_tflite(
             `GRU`). The file then needs an interpreter linked with the Flex delegate (Android:
             `org.tensorflow:tensorflow-lite-select-tf-ops`); the report lists the ops under
             `select_tf_ops`. Defaults to `False`.
-        custom_modules: PyTorch backend only: modules the TensorFlow child process imports
-            before loading the model, so that custom registered layers resolve.
+        custom_modules: PyTorch backend (and a quantization-aware model on JAX): modules the
+            TensorFlow child process imports before loading the model, so that custom
+            registered layers resolve.
             Defaults to `()`.
 
     Returns:
@@ -123,7 +124,8 @@ def export_tflite(
             file; a quantization-aware model that was never trained, or whose layers TFLite
             cannot compute in int8 (named).
         TypeError: an argument has the wrong type.
-        RuntimeError: PyTorch backend: the TensorFlow child process failed (its error is
+        RuntimeError: PyTorch backend (or a quantization-aware model on JAX): the
+            TensorFlow child process failed other than with a `ValueError` (its error is
             quoted).
 
     Example:

@@ -8,6 +8,7 @@ import pytest
 
 import keras_perf as kp
 from keras_perf.quantization import ActivationQuantizer
+from tests import models
 
 BACKEND = keras.backend.backend()
 
@@ -432,3 +433,121 @@ def test_an_adapted_lookup_keeps_its_vocabulary_and_its_integer_output(tmp_path)
     np.testing.assert_allclose(np_(qat(x)), expected, atol=0.05 * np.abs(expected).max())
     loaded = save_load(qat, tmp_path / "lookup.keras")
     np.testing.assert_array_equal(np_(loaded(x)), np_(qat(x)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Export of a quantization-aware model: a right file, or a ValueError before any file
+# ---------------------------------------------------------------------------------------------
+
+
+def _fitted_qat(arch_name):
+    arch = models.ARCHS[arch_name]
+    keras.utils.set_random_seed(0)
+    qat = kp.quantize_aware(arch.build())
+    x, y, _ = models.make_data(arch, 32)
+    models.compile_model(arch, qat).fit(x, y, batch_size=16, epochs=1, verbose=0)
+    return qat, x
+
+
+@pytest.mark.parametrize("exporter", ["tflite", "onnx"])
+def test_an_unfitted_qat_model_is_refused_before_a_file_is_written(exporter, tmp_path):
+    """Regression: `export_tflite` wrote an int8 file from the initial (-6, 6) ranges without a
+    word. Both exporters share the check."""
+    qat = kp.quantize_aware(models.mlp([6], 8, 3, seed=0, hidden_names=["hidden"], out_name="head"))
+    path = tmp_path / f"m.{exporter}"
+    export = kp.export_tflite if exporter == "tflite" else kp.export_onnx
+    with pytest.raises(
+        ValueError,
+        match=r"\['input_quant', 'hidden_quant', 'head_quant'\] have never seen a "
+        r"training batch.*\(-6, 6\).*train the model \(fit\)",
+    ):
+        export(qat, path, "int8")
+    assert not path.exists()
+    # One training batch that is all zero for a tensor (a dead ReLU) sets its range to [0, tiny]
+    # without counting as its first: that tensor is trained, not refused.
+    from keras_perf.quantization._model import check_learned_ranges
+
+    qat(np.zeros((4, 8), "float32"), training=True)
+    assert {n: float(np_(q.initialized)) for n, q in quantizers(qat).items()} == dict.fromkeys(
+        ["input_quant", "hidden_quant", "head_quant"], 0.0
+    )
+    check_learned_ranges(qat, "TFLite's int8 export")
+
+
+@pytest.mark.backends("tensorflow")
+def test_a_qat_bilstm_names_its_lstm_and_exports_with_select_tf_ops(tmp_path):
+    """Regression: the converter's MLIR text was the whole error. The LSTM loop has no TFLite
+    builtin ops: the error names the layer and the option, which writes the file."""
+    qat, _ = _fitted_qat("bilstm")
+    path = tmp_path / "m.tflite"
+    with pytest.raises(
+        ValueError, match=r"(?s)Bidirectional 'bilstm'.*allow_select_tf_ops=True"
+    ) as e:
+        kp.export_tflite(qat, path, "int8")
+    # A short quote of the converter's errors, not its MLIR source locations.
+    assert "'tf.TensorListReserve' op requires element_shape to be static" in str(e.value)
+    assert "callsite" not in str(e.value) and len(str(e.value)) < 1000
+    assert not path.exists()
+    report = kp.export_tflite(qat, path, "int8", allow_select_tf_ops=True)
+    assert "TensorListReserve" in report["select_tf_ops"]
+    # The token ids stay int32 (they are exact); the Dense head after the loop is int8.
+    assert report["input_dtype"] == "int32" and report["output_dtype"] == "int8"
+    assert path.stat().st_size == report["bytes"]
+
+
+@pytest.mark.backends("tensorflow")
+def test_a_qat_transformer_is_refused_naming_the_layers_tflite_keeps_in_float(tmp_path):
+    """Regression: "72 inner tensor(s) stayed float32 (encoder_1/ln2_1/Reshape, ...)". The
+    insides of MultiHeadAttention and LayerNormalization have no learned range; the Dense
+    layers on the sequence (ff1, ff2) convert and are not named."""
+    qat, _ = _fitted_qat("transformer")
+    path = tmp_path / "m.tflite"
+    for select in (False, True):  # select TF ops do not make float layers acceptable
+        with pytest.raises(ValueError) as e:
+            kp.export_tflite(qat, path, "int8", allow_select_tf_ops=select)
+        msg = str(e.value)
+        assert "MultiHeadAttention 'mha'" in msg and "LayerNormalization 'ln1', 'ln2'" in msg
+        assert "'ff1'" not in msg and "'ff2'" not in msg and "Reshape" not in msg
+        assert "quantization='dynamic'" in msg
+        assert not path.exists()
+
+
+@pytest.mark.backends("tensorflow")
+def test_a_qat_dense_on_a_sequence_exports_full_integer(tmp_path):
+    """Regression: a Dense on a (batch, steps, features) input stayed float in the file (its
+    matmul became Reshape-MatMul-Reshape, the ranges learned after it did not reach it)."""
+    keras.utils.set_random_seed(0)
+    inp = keras.Input((models.SEQ_LEN, 16))
+    h = keras.layers.Dense(8, activation="relu", name="ff")(inp)
+    out = keras.layers.Dense(4, name="head")(keras.layers.GlobalAveragePooling1D()(h))
+    qat = kp.quantize_aware(keras.Model(inp, out))
+    x = np.random.default_rng(0).normal(size=(64, models.SEQ_LEN, 16)).astype("float32")
+    qat.compile("sgd", "mse")
+    qat.fit(x, np.ones((64, 4), "float32"), epochs=1, verbose=0)
+    report = kp.export_tflite(qat, tmp_path / "m.tflite", "int8")
+    interp = kp.backend.tflite.interpreter((tmp_path / "m.tflite").read_bytes(), allocate=False)
+    assert all(np.dtype(t["dtype"]) != np.float32 for t in interp.get_tensor_details())
+    step = report["output_quantization"][0]
+    got = kp.tflite_predict(tmp_path / "m.tflite", x)
+    assert np.abs(got - np_(qat(x))).max() <= 2 * step + 1e-6
+
+
+@pytest.mark.backends("jax", "torch")
+def test_a_failed_qat_export_names_the_backend_in_use(tmp_path):
+    """Regression: on JAX the child-process error spoke of "the PyTorch backend". A layer class
+    local to this test cannot be loaded in the TensorFlow child process."""
+
+    class Scale(keras.layers.Layer):
+        def call(self, x):
+            return 2.0 * x
+
+    inp = keras.Input((8,))
+    model = keras.Model(inp, keras.layers.Dense(3)(Scale()(keras.layers.Dense(4)(inp))))
+    qat = kp.quantize_aware(model)
+    qat(np.ones((4, 8), "float32"), training=True)
+    name = {"jax": "JAX", "torch": "PyTorch"}[BACKEND]
+    with pytest.raises(RuntimeError, match=f"on the {name} backend") as e:
+        kp.export_tflite(qat, tmp_path / "m.tflite", "int8")
+    other = {"jax": "PyTorch", "torch": "JAX"}[BACKEND]
+    assert other not in str(e.value) and "custom_modules" in str(e.value)
+    assert not (tmp_path / "m.tflite").exists()

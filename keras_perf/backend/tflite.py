@@ -254,28 +254,40 @@ def flex_ops(model_content: bytes) -> list[str]:
     return sorted(names)
 
 
+def float_tensors(model_content: bytes) -> list[str]:
+    """Names of the float32 tensors of a file's main graph, its inputs and outputs left out."""
+    return _inner_floats(interpreter(model_content, allocate=False))
+
+
+def _inner_floats(interp) -> list[str]:
+    io = {d["index"] for d in interp.get_input_details() + interp.get_output_details()}
+    return [
+        t["name"]
+        for t in interp.get_tensor_details()
+        if np.dtype(t["dtype"]) == np.float32 and t["index"] not in io
+    ]
+
+
 def integer_problems(model_content: bytes, int8_io: bool, select_tf_ops: bool) -> list[str]:
     """Why a file asked for as full-integer int8 is not one (empty list: it is).
 
     The converter can quietly return a float model (calibration ranges that are NaN), or
     write non-finite scales (activations that overflow float32 on the calibration data).
+    An integer input or output that is not int8 (token ids, an `argmax`) is the model's own
+    and exact: with `int8_io` only a float one is a problem.
     """
     interp = interpreter(model_content, allocate=False)
-    io = {d["index"] for d in interp.get_input_details() + interp.get_output_details()}
     problems = []
-    floats, int8 = [], 0
+    int8 = 0
     for t in interp.get_tensor_details():
-        dtype = np.dtype(t["dtype"])
         scales = np.asarray(t.get("quantization_parameters", {}).get("scales", []))
         if scales.size and not (np.all(np.isfinite(scales)) and np.all(scales > 0)):
             problems.append(
                 f"tensor {t['name']!r} has quantization scale(s) {scales[:4].tolist()}: "
                 "the model's activations overflow float32 on the calibration data"
             )
-        if dtype == np.int8:
-            int8 += 1
-        elif dtype == np.float32 and t["index"] not in io:
-            floats.append(t["name"])
+        int8 += np.dtype(t["dtype"]) == np.int8
+    floats = _inner_floats(interp)
     if not int8:
         problems.append("no tensor is int8: the converter fell back to a float model")
     elif floats and not select_tf_ops:
@@ -286,7 +298,7 @@ def integer_problems(model_content: bytes, int8_io: bool, select_tf_ops: bool) -
             ("output", interp.get_output_details()),
         ):
             for d in details:
-                if np.dtype(d["dtype"]) != np.int8:
+                if np.issubdtype(np.dtype(d["dtype"]), np.floating):
                     problems.append(
                         f"{kind} {d['name']!r} is {np.dtype(d['dtype']).name}, not int8"
                     )

@@ -6,8 +6,9 @@ The parts:
 
 - `_convert`: `export_tflite`, its argument checks and flow (TF and JAX convert in process);
 - `_checks`: the output path and the model's input signature, checked before converting;
+- `_errors`: a failed conversion's `ValueError`, naming the layers at fault;
 - `_calibration`: `representative_data` of an `"int8"` export, read, checked and fed;
-- `_tensorflow_process`: the PyTorch backend's conversion in a TensorFlow child process;
+- `_tensorflow_process`: the conversion in a TensorFlow child process (PyTorch; QAT on JAX);
 - `_metadata`: the input order stored in a written file, and the report `export_tflite` returns;
 - `_predict`: `tflite_predict` and the matching of its inputs to the file's;
 - `_compression`: `compression_report`;

@@ -39,6 +39,7 @@ from keras_perf.export._checks import (
     _model_inputs,
     export_twin,
 )
+from keras_perf.export._errors import select_tf_ops_error
 from keras_perf.export._metadata import METADATA_NAME, _report
 from keras_perf.export._qat import export_quantized
 from keras_perf.export._tensorflow_process import _export_via_tensorflow_process
@@ -98,8 +99,9 @@ def export_tflite(
             `GRU`). The file then needs an interpreter linked with the Flex delegate (Android:
             `org.tensorflow:tensorflow-lite-select-tf-ops`); the report lists the ops under
             `select_tf_ops`. Defaults to `False`.
-        custom_modules: PyTorch backend only: modules the TensorFlow child process imports
-            before loading the model, so that custom registered layers resolve.
+        custom_modules: PyTorch backend (and a quantization-aware model on JAX): modules the
+            TensorFlow child process imports before loading the model, so that custom
+            registered layers resolve.
             Defaults to `()`.
 
     Returns:
@@ -117,10 +119,13 @@ def export_tflite(
             `representative_data`, or `representative_data` with another mode; the model is
             not built; `path`'s directory does not exist or is not writable; the
             calibration data does not match the model's inputs, is empty or not finite; the
-            converter needs select TF ops and `allow_select_tf_ops` is off; an `"int8"`
-            conversion did not give a full-integer file.
+            converter needs select TF ops and `allow_select_tf_ops` is off (the message
+            names the recurrent layers); an `"int8"` conversion did not give a full-integer
+            file; a quantization-aware model that was never trained, or whose layers TFLite
+            cannot compute in int8 (named).
         TypeError: an argument has the wrong type.
-        RuntimeError: PyTorch backend: the TensorFlow child process failed (its error is
+        RuntimeError: PyTorch backend (or a quantization-aware model on JAX): the
+            TensorFlow child process failed other than with a `ValueError` (its error is
             quoted).
 
     Example:
@@ -206,14 +211,7 @@ def export_tflite(
                 saved_model_dir, quantization, dataset, int8_io, allow_select_tf_ops
             )
         except _tflite.NeedsSelectTfOps as e:
-            raise ValueError(
-                "TFLite's builtin ops cannot express this model (e.g. the loop of an LSTM/GRU "
-                "with a free batch size); the converter said:\n"
-                + _last_lines(str(e), 3)
-                + "\nPass `allow_select_tf_ops=True` to keep those ops as TensorFlow ops; "
-                "the file then needs an interpreter linked with the Flex delegate (Android: "
-                "`org.tensorflow:tensorflow-lite-select-tf-ops`)."
-            ) from None
+            raise select_tf_ops_error(e, model) from None
     if quantization == "int8":
         problems = _tflite.integer_problems(content, int8_io, allow_select_tf_ops)
         if problems:
@@ -231,8 +229,3 @@ def export_tflite(
         content = _tflite.add_metadata(content, METADATA_NAME, metadata)
     path.write_bytes(content)
     return _report(path, content, quantization)
-
-
-def _last_lines(text: str, n: int) -> str:
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    return "\n".join(lines[-n:])

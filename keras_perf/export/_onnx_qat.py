@@ -26,6 +26,7 @@ import numpy as np
 from keras_perf._utils import iter_layers
 from keras_perf.backend import onnx as _onnx
 from keras_perf.quantization._layers import QUANTIZED_CLASSES, QuantizedKernelMixin
+from keras_perf.quantization._model import check_learned_ranges
 from keras_perf.quantization._quantizers import ActivationQuantizer, fake_quant_kernel
 from keras_perf.quantization._wrap import _function_name, _graph
 
@@ -60,19 +61,7 @@ def float_copy(qat) -> keras.Model:
                 f"({layer.name!r}) yet; apply `quantize_aware` to a flat Functional or "
                 "Sequential model."
             )
-    bits = sorted({q.num_bits for q in _quantizers(qat)} - {8})
-    if bits:
-        raise ValueError(
-            f"The ONNX int8 export needs 8-bit activations; this model's activation quantizers "
-            f"have {bits} bits. Make it with `quantize_aware(..., activation_bits=8)`."
-        )
-
-    untrained = [q.name for q in _quantizers(qat) if float(q.initialized.numpy()) == 0.0]
-    if untrained:
-        raise ValueError(
-            f"The activation quantizers {untrained[:3]} have never seen a training batch, so "
-            "their ranges are the initial (-6, 6): train the model (fit) before exporting."
-        )
+    check_learned_ranges(qat, "The ONNX int8 export")
     folds = _batch_norm_folds(qat)  # BatchNormalization name -> kernel layer
     folded = {id(k) for k in folds.values()}
 

@@ -1,9 +1,12 @@
-"""`export_tflite` on the PyTorch backend: the conversion in a child process running TensorFlow.
+"""`export_tflite` in a child process running Keras on TensorFlow: on the PyTorch backend, and
+for a quantization-aware model on JAX too.
 
-Keras cannot write a SavedModel from torch without `torch_xla`, so the model is saved as a
-`.keras` file and `_CHILD`, a Python child process with `KERAS_BACKEND=tensorflow`, loads it
-and runs `export_tflite` there; its report comes back on stdout. Not here: the checks made
-before (`_convert`, `_checks`, `_calibration`).
+Keras cannot write a SavedModel from torch without `torch_xla` (and a QAT model's graph is
+built from TensorFlow's fake-quant ops), so the model is saved as a `.keras` file and `_CHILD`,
+a Python child process with `KERAS_BACKEND=tensorflow`, loads it and runs `export_tflite`
+there; its report comes back on stdout, and so does the message of a `ValueError` it raises
+(our errors that say what to do), raised again here. Not here: the checks made before
+(`_convert`, `_checks`, `_calibration`, `keras_perf.quantization._model`).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import keras
 import numpy as np
 
 _CHILD = """
@@ -29,27 +33,34 @@ data = None
 if args["data"] is not None:
     data = [np.load(p) for p in args["data"]]
     data = data[0] if len(data) == 1 else data
-report = keras_perf.export_tflite(
-    model, args["path"], args["quantization"], data,
-    calibration_samples=args["calibration_samples"], int8_io=args["int8_io"],
-    allow_select_tf_ops=args["allow_select_tf_ops"])
+try:
+    report = keras_perf.export_tflite(
+        model, args["path"], args["quantization"], data,
+        calibration_samples=args["calibration_samples"], int8_io=args["int8_io"],
+        allow_select_tf_ops=args["allow_select_tf_ops"])
+except ValueError as e:
+    print("KERAS_PERF_ERROR " + json.dumps(str(e)))
+    sys.exit(1)
 print("KERAS_PERF_REPORT " + json.dumps(report))
 """
+
+_BACKEND_NAMES = {"jax": "JAX", "torch": "PyTorch", "tensorflow": "TensorFlow"}
 
 
 def _export_via_tensorflow_process(
     model, path, quantization, arrays, int8_io, allow_select_tf_ops, custom_modules
 ) -> dict:
+    backend = _BACKEND_NAMES.get(keras.backend.backend(), keras.backend.backend())
     with tempfile.TemporaryDirectory() as tmp:
         model_file = os.path.join(tmp, "model.keras")
         try:
             model.save(model_file)
         except Exception as e:
             raise ValueError(
-                "On the PyTorch backend export_tflite saves the model as a .keras file and "
+                f"On the {backend} backend export_tflite saves the model as a .keras file and "
                 "converts it with Keras on TensorFlow in a child process, but this model "
                 f"could not be saved ({type(e).__name__}: {e}). Give custom layers/models a "
-                "`get_config`, or export from the TensorFlow or JAX backend."
+                "`get_config`, or export from the TensorFlow backend."
             ) from e
         data_files = None
         if arrays is not None:
@@ -79,6 +90,8 @@ def _export_via_tensorflow_process(
             check=False,
         )
     for line in proc.stdout.splitlines():
+        if line.startswith("KERAS_PERF_ERROR "):
+            raise ValueError(json.loads(line[len("KERAS_PERF_ERROR ") :]))
         if line.startswith("KERAS_PERF_REPORT "):
             report = json.loads(line[len("KERAS_PERF_REPORT ") :])
             for key in ("input_quantization", "output_quantization"):
@@ -90,7 +103,7 @@ def _export_via_tensorflow_process(
             return report
     tail = "\n".join((proc.stderr or proc.stdout).strip().splitlines()[-15:])
     raise RuntimeError(
-        "TFLite export on the PyTorch backend runs Keras on TensorFlow in a child process to "
+        f"TFLite export on the {backend} backend runs Keras on TensorFlow in a child process to "
         f"convert the saved model, and that process failed (exit code {proc.returncode}). "
         "If the model has custom layers, name the modules registering them in "
         f"`custom_modules`. Its last output:\n{tail}"

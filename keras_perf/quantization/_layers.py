@@ -105,9 +105,16 @@ class QuantizedDense(QuantizedKernelMixin, keras.layers.Dense):
     """`keras.layers.Dense` with a fake-quantized kernel (see `kp.quantize_aware`)."""
 
     def call(self, inputs, training=None):
-        x = ops.matmul(inputs, self.quantized_kernel())
+        # Traced for export, a (batch, steps, features) input is flattened around the matmul:
+        # TFLite fuses MatMul and BiasAdd into one int8 FULLY_CONNECTED on 2-D inputs only
+        # (Keras' tensordot puts a Reshape between them, whose tensor has no learned range).
+        flat = id(self) in EXPORT_KERNELS and len(inputs.shape) > 2
+        x = ops.reshape(inputs, (-1, inputs.shape[-1])) if flat else inputs
+        x = ops.matmul(x, self.quantized_kernel())
         if self.bias is not None:
             x = ops.add(x, self.bias)
+        if flat:
+            x = ops.reshape(x, (*ops.shape(inputs)[:-1], self.units))
         return self._finish(x)
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import warnings
 
 import numpy as np
@@ -242,13 +243,30 @@ def _fold_conv_bias(proto) -> bool:
     return changed
 
 
+_UUID_DATA = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}\.data")
+
+
 def pre_process(src: str, dst: str) -> None:
     """ORT's `quant_pre_process` (shape inference and graph optimization), then the bias fold."""
     import onnx
     from onnxruntime.quantization.shape_inference import quant_pre_process
 
-    with quiet_logs():
-        quant_pre_process(src, dst)
+    before = set(os.listdir("."))
+    try:
+        with quiet_logs():
+            quant_pre_process(src, dst)
+    except ImportError:
+        raise
+    except Exception:
+        # ORT's symbolic shape inference gives up on some graphs (a Transformer's attention
+        # reshapes: a bare Exception from tf2onnx's graph, a TypeError from jax2onnx's) and
+        # may leave its partial model in the working directory: remove what it wrote there,
+        # and pre-process without it (ONNX's own shape inference still runs).
+        for name in set(os.listdir(".")) - before:
+            if name.startswith("sym_shape_infer_temp") or _UUID_DATA.fullmatch(name):
+                os.remove(name)  # the model, and its weights (onnx names them <uuid>.data)
+        with quiet_logs():
+            quant_pre_process(src, dst, skip_symbolic_shape=True)
     proto = onnx.load(dst)
     if _fold_conv_bias(proto):
         onnx.save(proto, dst)
@@ -283,17 +301,27 @@ def quantize(src: str, dst: str, mode: str, reader=None, ranges: dict | None = N
 
                 data = {k: (np.float32(lo), np.float32(hi)) for k, (lo, hi) in ranges.items()}
                 save_tensors_data(TensorsData(CalibrationMethod.MinMax, data), cache)
-            q.quantize_static(
-                src,
-                dst,
-                reader,
-                quant_format=q.QuantFormat.QDQ,
-                per_channel=True,
-                activation_type=q.QuantType.QUInt8,
-                weight_type=q.QuantType.QInt8,
-                calibration_cache_path=cache,
-                extra_options=extra,
-            )
+            try:
+                q.quantize_static(
+                    src,
+                    dst,
+                    reader,
+                    quant_format=q.QuantFormat.QDQ,
+                    per_channel=True,
+                    activation_type=q.QuantType.QUInt8,
+                    weight_type=q.QuantType.QInt8,
+                    calibration_cache_path=cache,
+                    extra_options=extra,
+                )
+            except (ImportError, ValueError):
+                raise
+            except Exception as e:  # e.g. its bare `assert` on a scale ("scale issue")
+                raise ValueError(
+                    "ONNX Runtime's int8 quantization failed on this model's graph "
+                    f"({type(e).__name__}: {_first_line(e) or 'no message'}). Nothing was "
+                    "written: use quantization='dynamic' (int8 weights, no calibration), or "
+                    "export on another Keras backend (graphs differ by exporter)."
+                ) from e
 
 
 def float_ops(proto) -> list[str]:

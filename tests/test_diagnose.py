@@ -259,16 +259,26 @@ def test_mixed_precision_on_a_cpu_follows_the_report_or_its_bfloat16_units(digit
     CPU's flags and the report are pretended, so the rule is tested on any machine."""
     from keras_perf import backend as _backend
     from keras_perf import precision
+    from keras_perf.diagnosis import _what_if
 
     monkeypatch.setattr(_backend, "has_accelerator", lambda: False)
     monkeypatch.setattr(precision, "_CACHE", {})
     monkeypatch.setattr(precision, "_cpu_info", lambda: {"half_precision_units": ["amx_bf16"]})
     seen = _record_fits(monkeypatch)
     (x, y), _ = digits
-    _only(monkeypatch, "mixed precision")
+    # Offered only where the step's arithmetic is the limit: the verdict is pretended (a
+    # compute-bound model would take seconds per diagnose), as is its absence below.
+    candidates, bottleneck = _what_if.candidates, ["compute"]
+
+    def mixed_only(ctx):
+        ctx.bottleneck = bottleneck[0]
+        changes, notes = candidates(ctx)
+        return [c for c in changes if c.change.startswith("mixed precision")], notes
+
+    monkeypatch.setattr(_what_if, "candidates", mixed_only)
     model = small_mlp()
     before = _variables(model)
-    d = kp.diagnose(model, x, y, batch_size=64, steps=8, max_seconds=15)
+    d = kp.diagnose(model, x, y, batch_size=64, steps=8, max_seconds=25)
     mixed = [w for w in d.what_if if w["change"] == "mixed precision (mixed_bfloat16)"]
     assert mixed and mixed[0]["speedup"] > 0, (str(d), d.notes)
     assert any(p == "mixed_bfloat16" for p, _, _ in seen), seen  # the bfloat16 twin was timed
@@ -277,6 +287,11 @@ def test_mixed_precision_on_a_cpu_follows_the_report_or_its_bfloat16_units(digit
     for a, b in zip(before, _variables(model)):
         np.testing.assert_array_equal(a, b)
 
+    bottleneck[0] = "host"
+    d = kp.diagnose(model, x, y, batch_size=64, steps=8, max_seconds=5)
+    assert not [w for w in d.what_if if w["change"].startswith("mixed precision")], str(d)
+
+    bottleneck[0] = "compute"
     monkeypatch.setattr(precision, "_cpu_info", lambda: {"half_precision_units": []})
     d = kp.diagnose(model, x, y, batch_size=64, steps=8, max_seconds=5)
     assert not [w for w in d.what_if if w["change"].startswith("mixed precision")], str(d)

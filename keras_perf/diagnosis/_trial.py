@@ -88,6 +88,7 @@ def what_ifs(r, model, can_recompile, peak, bottleneck, max_seconds) -> list:
         larger_batch_fits=peak is None or device_bytes is None or 2 * peak < device_bytes,
         input_per_batch=r.input_per_batch,
         max_seconds=max_seconds,
+        bottleneck=bottleneck,
     )
     changes, more_notes = _what_if.candidates(ctx)
     first = _FIRST_FOR[bottleneck]

@@ -235,13 +235,16 @@ def _jit_compile(ctx, notes) -> Change | None:
 
 def _mixed_precision(ctx, notes) -> Change | None:
     """A float32 twin's half-precision policy: the device rule's on a GPU or TPU; on a CPU
-    `mixed_bfloat16` where `kp.precision_report()` (if it has run) or the CPU's bfloat16 units
-    say it may pay. Timed on the user's model like every change, so a loss shows as one."""
+    `mixed_bfloat16` where the step is compute-bound and `kp.precision_report()` (if it has
+    run) or the CPU's bfloat16 units say it may pay. Timed on the user's model like every
+    change, so a loss shows as one."""
     from keras_perf.mixed_precision import auto_policy
     from keras_perf.precision import cpu_policy_to_try
 
     twin = ctx.twin
     if not _backend.has_accelerator():
+        if ctx.bottleneck != "compute":
+            return None  # The step's arithmetic is not what limits this run.
         policy, reason = cpu_policy_to_try()
         if policy is None:
             notes.append(f"mixed precision not offered on this CPU: {reason}.")

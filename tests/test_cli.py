@@ -551,7 +551,7 @@ def test_bench_quick_prints_every_row(tmp_path):
         [sys.executable, "-m", "keras_perf.cli", "bench", "--quick", "--markdown", str(md)],
         capture_output=True,
         text=True,
-        timeout=1800,  # 14 bench scripts in one process (each killed past 600 s)
+        timeout=1800,  # 14 bench scripts in one process (killed past bench.QUICK_BUDGET_S)
         cwd=root,
     )
     failed = [ln[:600] for ln in proc.stdout.splitlines() if "FAILED" in ln]

@@ -188,6 +188,7 @@ class _Demo:
     stages: dict = dataclasses.field(default_factory=dict)
     files: list = dataclasses.field(default_factory=list)
     exports: dict = dataclasses.field(default_factory=dict)
+    inference: list = dataclasses.field(default_factory=list)
 
     def fit(self, name: str, model, fit_model=None, epochs=None, callbacks=()):
         """`fit_model.fit` on the digits with a monitor and a progress bar; the monitor.
@@ -327,6 +328,25 @@ def export_student(demo: _Demo, pruned) -> None:
         demo.files.append(path.name)
 
 
+def measure_inference(demo: _Demo, pruned) -> None:
+    """Stage 6: `kp.inference_report` on the pruned student: every deployment format available
+    here (Keras, TFLite, ONNX with the `onnx` extra; float and int8), batch 1 and 64, latency
+    percentiles, size and agreement with Keras on the test split."""
+    import keras_perf as kp
+    from keras_perf.export._inference_report import available_formats
+
+    formats = available_formats(pruned)
+    if demo.verbose:
+        print(f"\n[inference] {', '.join(formats)} at batch 1 and 64 ...", flush=True)
+    report = kp.inference_report(
+        pruned, demo.test[0], demo.test[1], formats=formats, repeats=10,
+        representative_data=demo.train[0][:200],
+    )  # fmt: skip
+    demo.inference = [{k: v for k, v in row.items() if _jsonable(v)} for row in report.rows]
+    if demo.verbose:
+        print(report, flush=True)
+
+
 def write_report(demo: _Demo, policy: str, t_start: float) -> dict:
     """The summary plot and `report.json`; returns the report."""
     _summary_plot(demo.rows, demo.out / "summary.png")
@@ -338,6 +358,7 @@ def write_report(demo: _Demo, policy: str, t_start: float) -> dict:
         "teacher_epochs_run": demo.stages["teacher"].get("epochs"),
         "rows": demo.rows,
         "exports": demo.exports,
+        "inference": demo.inference,
         "stages": demo.stages,
         "files": demo.files + ["report.json"],
         "total_time_s": round(time.perf_counter() - t_start, 1),
@@ -358,7 +379,9 @@ def run(out: str | os.PathLike = "keras-perf-demo", epochs: int = 30, verbose: b
 
     Returns:
         The report dict: `backend`, `policy`, `epochs`, `rows` (one per model, the table's
-        columns), `exports` (the TFLite reports), `stages` (monitor summaries), `files`.
+        columns), `exports` (the TFLite reports), `inference` (`kp.inference_report`'s rows:
+        latency, size and agreement per format and batch size), `stages` (monitor summaries),
+        `files`.
 
     Raises:
         ValueError: `epochs` < 1.
@@ -388,6 +411,7 @@ def run(out: str | os.PathLike = "keras-perf-demo", epochs: int = 30, verbose: b
     student, distiller = train_distilled(demo, teacher)
     pruned = prune_student(demo, student, distiller)
     export_student(demo, pruned)
+    measure_inference(demo, pruned)
     report = write_report(demo, policy, t_start)
 
     if verbose:

@@ -372,6 +372,18 @@ def test_demo_runs_end_to_end(tmp_path, capsys):
     for name in ("teacher.png", "summary.png", "teacher.jsonl", "student_int8.tflite"):
         assert name in report["files"]
     assert "TFLite int8" in printed and "gzip B" in printed
+    # The inference stage: every format available here, at batch 1 and 64, agreeing with Keras.
+    from keras_perf.export._inference_report import available_formats
+
+    inference = {(r["format"], r["batch_size"]): r for r in report["inference"]}
+    import keras
+
+    formats = available_formats(keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)]))
+    assert set(inference) == {(f, b) for f in formats for b in (1, 64)}, sorted(inference)
+    for (fmt, _), r in inference.items():
+        assert r["latency_ms_p50"] > 0 and r["examples_per_s"] > 0, r
+        assert r["agreement"] >= (0.9 if fmt.endswith("int8") else 0.99), r
+    assert "[inference]" in printed
 
 
 def test_demo_progress_bar_shows_each_epochs_own_values(capsys):

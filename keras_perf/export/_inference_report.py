@@ -109,10 +109,12 @@ def available_formats(model) -> list[str]:
     import importlib.util
 
     from keras_perf import quantization as _quantization
+    from keras_perf.backend.onnx import EXPORTERS
 
     qat = _quantization.is_quantized_model(model)
     out = ["keras"]
-    if all(importlib.util.find_spec(m) for m in ("onnx", "onnxruntime")):
+    exporter = EXPORTERS.get(keras.backend.backend())  # Keras' ONNX exporter of the backend
+    if all(importlib.util.find_spec(m) for m in ("onnx", "onnxruntime", exporter or "onnx")):
         out += ["onnx-int8"] if qat else ["onnx", "onnx-int8"]
     if importlib.util.find_spec("tensorflow"):
         out += ["tflite-int8"] if qat else ["tflite", "tflite-int8"]

@@ -140,10 +140,11 @@ class _Trial:
 
     def __init__(self, probe, data, limit, saved):
         self.probe, self.data, self.limit, self.saved = probe, data, limit, saved
-        # Without a cap, measure only where it costs nothing (the measure runs the step).
-        self.measure_each = limit is not None or (
-            _backend.STEP_MEMORY_RUNS_STEP and _backend.step_memory_unavailable() is None
-        )
+        available = _backend.step_memory_unavailable() is None
+        # Without a cap, measure each try only where that costs nothing (the measure runs the
+        # step), else the answer alone, at the end (a compilation on JAX).
+        self.measure_each = limit is not None or (_backend.STEP_MEMORY_RUNS_STEP and available)
+        self.measure_answer = available and not self.measure_each
         self.run_too = _backend.has_accelerator()  # a compiled-only measure: run it as well
         self.measure = None
 
@@ -355,7 +356,7 @@ def find_max_batch_size(
             best = _best(tries)
             at = next((t for t in tries if t["batch_size"] == best), None)
             peak = None if at is None else at["peak_bytes"]
-            if best and peak is None:  # a measure that compiles only, not taken without a cap
+            if best and trial.measure_answer:
                 peak = trial.measured(best)["bytes"]
             step = k if largest >= k else 1
             above = next((t for t in tries if t["batch_size"] == best + step), None)

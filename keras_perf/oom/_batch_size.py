@@ -264,24 +264,31 @@ def find_max_batch_size(
 
     For each setting, one training step is tried at `start_batch_size` examples, then at
     twice as many, until a step fails or `max_batch_size` fits; then the sizes between the
-    last that fitted and the first that failed are bisected. A step fails on an
-    out-of-memory error (TensorFlow, XLA, torch) or, with `memory_limit_bytes`, when its
-    measured peak is above that cap: on a CPU, where nothing runs out of memory, the cap is
-    what makes the search meaningful. The peak is read in process: TensorFlow's allocator
-    (GPU, or CPU when it keeps statistics), torch's CUDA allocator, on a CPU the tensors
-    torch saves for backward plus the variables, gradients and batch, and on JAX XLA's
-    memory analysis of the compiled step (on a CPU the step is compiled, not run).
+    last that fitted and the first that failed are narrowed down (where the line through
+    their measured peaks crosses the cap, then by bisection) until the next size up has
+    failed. A step fails on an out-of-memory error (TensorFlow, XLA, torch) or, with
+    `memory_limit_bytes`, when its measured peak is above that cap: on a CPU, where nothing
+    runs out of memory, the cap is what makes the search meaningful. The peak is read in
+    process (`kp.oom.MEASURES`): TensorFlow's allocator (GPU, or CPU with the BFC
+    allocator), torch's CUDA allocator, on a CPU the tensors torch saves for backward plus
+    the variables, gradients and batch, and on JAX XLA's memory analysis of the compiled
+    step (on a CPU the step is compiled, not run).
 
     Settings: `"plain"` (keras-perf's train step as is), `"remat"` (`remat="full"`: the
     activations recomputed in the backward pass), `"microbatches"` (each batch cut into
     `microbatches` slices whose gradients add up to the full-batch update) and
     `"remat+microbatches"`. A row's batch size is the whole batch, the effective batch the
     update sees; micro-batched rows try multiples of `microbatches` only (an uneven batch
-    adds a shorter slice, whose memory breaks the search's monotonicity). Sequential and Functional models run through a `kp.loss_scaled` twin that
-    shares their layers and optimizer; a model with `kp.LossScaleTrainStep` runs itself, its
-    `remat` and `microbatches` set per row and put back. The model is left untouched: its
-    variables (weights, non-trainable state, random-seed state), optimizer state and step
-    count, metrics and settings are as before (put back after every try).
+    adds a shorter slice, whose memory breaks the search's monotonicity). Sequential and
+    Functional models run through a `kp.loss_scaled` twin that shares their layers and
+    optimizer; a model with `kp.LossScaleTrainStep` runs itself, its `remat` and
+    `microbatches` set per row and put back. The model is left untouched: its variables
+    (weights, non-trainable state, random-seed state), optimizer state and step count,
+    metrics and settings are as before (put back after every try).
+
+    On TensorFlow on a CPU, set `TF_CPU_ALLOCATOR_USE_BFC=true` in the environment before
+    TensorFlow is imported: without the BFC allocator its statistics miss most of what a
+    step allocates, and a cap is refused.
 
     Args:
         model: A compiled `keras.Model`: Sequential, Functional, or with

@@ -46,7 +46,6 @@ if os.environ.get("KERAS_BACKEND", "tensorflow") == "tensorflow":
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import weakref  # noqa: E402
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -101,46 +100,13 @@ def _jax(model, x, y) -> int:
     return int(compiled.memory_analysis().temp_size_in_bytes)
 
 
-class _Holder:
-    __slots__ = ("tensor", "__weakref__")
-
-    def __init__(self, tensor):
-        self.tensor = tensor
-
-
-class _SavedPeak:
-    """Peak bytes of distinct storages autograd keeps for backward, weights and data excluded."""
-
-    def __init__(self, excluded):
-        self.excluded, self.live, self.current, self.peak = excluded, {}, 0, 0
-
-    def pack(self, t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in self.excluded or (t.grad_fn is None and not t.requires_grad):
-            return t  # a weight, or input data that lives with the batch anyway
-        holder = _Holder(t)
-        if ptr not in self.live:
-            self.current += t.untyped_storage().nbytes()
-            self.peak = max(self.peak, self.current)
-        self.live[ptr] = self.live.get(ptr, 0) + 1
-        weakref.finalize(holder, self._release, ptr, t.untyped_storage().nbytes())
-        return holder
-
-    def _release(self, ptr, nbytes):
-        self.live[ptr] -= 1
-        if not self.live[ptr]:
-            del self.live[ptr]
-            self.current -= nbytes
-
-    @staticmethod
-    def unpack(h):
-        return h.tensor if isinstance(h, _Holder) else h
-
-
 def _torch(model, x, y) -> int:
     import torch
 
-    saved = _SavedPeak({v.value.untyped_storage().data_ptr() for v in model.variables})
+    # The counter kp.find_max_batch_size measures a step with on a CPU.
+    from keras_perf.backend.torch import SavedTensorsPeak
+
+    saved = SavedTensorsPeak(v.value.untyped_storage().data_ptr() for v in model.variables)
     with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
         model.fit(x, y, batch_size=len(x), epochs=1, verbose=0)
     return saved.peak

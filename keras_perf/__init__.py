@@ -57,6 +57,7 @@ _EXPORTS = {
     "setup_mixed_precision": "keras_perf.mixed_precision",
     "precision_report": "keras_perf.precision",
     "TrainingMonitor": "keras_perf.monitor",
+    "find_max_batch_size": "keras_perf.oom",
     "find_max_microbatch": "keras_perf.oom",
     "fit_with_oom_retry": "keras_perf.oom",
     "ConstantSparsity": "keras_perf.pruning",

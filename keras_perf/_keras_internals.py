@@ -55,6 +55,7 @@ __all__ = [
     "scale_loss_for_distribution",
     "set_learning_rate_source",
     "set_initial_epoch",
+    "symbolic_build",
     "unscale_loss_for_distribution",
 ]
 
@@ -120,6 +121,16 @@ def input_structure(model, default=None):
 def output_structure(model, default=None):
     """The nested output structure of a Functional model (`_outputs_struct`)."""
     return getattr(model, "_outputs_struct", default)
+
+
+def symbolic_build(model, data_batch) -> None:
+    """Build the model, its compiled loss and metrics and its optimizer without a step.
+
+    What `fit` and `train_on_batch` do first (`Trainer._symbolic_build`, checked on Keras
+    3.8-3.15): shapes only, no variable changes a value. Needed before a train step is
+    compiled outside `fit` (XLA's memory analysis) or its state is copied.
+    """
+    model._symbolic_build(data_batch=data_batch)
 
 
 def set_initial_epoch(model, epoch: int) -> None:

@@ -31,6 +31,12 @@ BACKEND_ONLY = {
     for package in ("backend", "train_step")
     for backend in ("jax", "tensorflow", "torch")
 }
+# On TensorFlow, `find_max_batch_size` with a memory cap on a CPU needs the BFC allocator, set
+# before TensorFlow is imported: tests/test_find_max_batch_size.py runs it in a child process.
+BACKEND_ONLY["keras_perf.oom._batch_size"] = (
+    ("jax", "torch"),
+    "on TensorFlow needs TF_CPU_ALLOCATOR_USE_BFC=true: run by tests/test_find_max_batch_size.py",
+)
 
 # Modules whose examples need an optional package: module name -> top-level package to import.
 NEEDS = {

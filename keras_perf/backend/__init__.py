@@ -40,6 +40,18 @@ Interface (every implementation module provides these names):
   parallel_map=False)``: tf.data pipelines, on every backend (tf.data runs beside any Keras
   backend with TensorFlow installed), so they always come from the ``tensorflow`` module,
   imported at their first call.
+- ``step_memory_unavailable() -> str | None`` and ``step_memory(model, data, run_step,
+  sizes) -> dict``: the peak memory of one training step, read in process for
+  `kp.find_max_batch_size`. The first says why it cannot be read here (TensorFlow's CPU
+  allocator without statistics), in words that say the fix, or None. The second returns
+  ``{"bytes", "measure", "ran"}``: the bytes the step needs (the model's and optimizer's
+  variables included), the name of the measure, and whether `run_step()` (one training step)
+  ran to measure it. TensorFlow: its allocator's peak during the step (``"tf_allocator_peak"``,
+  GPU:0 or CPU:0); torch: the CUDA allocator's peak (``"torch_cuda_peak"``), on a CPU the
+  peak of the tensors autograd saves for backward plus the weights, gradients, optimizer
+  state and batch (``"torch_saved_tensors"``); JAX: XLA's memory analysis of the compiled
+  step, without running it (``"xla_memory_analysis"``). `sizes` gives the byte counts the
+  dispatch computes: ``state`` (model and optimizer variables), ``trainable``, ``batch``.
 - ``kernel_op(op, dtype, size) -> callable``: one matmul (``op="matmul"``) or 3x3 convolution
   (``"conv"``) in `dtype` on the backend's default device, run by calling it (it returns once
   the result exists); raises where the dtype has no kernel. `keras_perf.precision` times it.
@@ -49,7 +61,9 @@ implementation has none (`any_worker` returns `flag`, `is_multi_worker` False, `
 a null context, `carry_in_step_state` True, the fake-quant names None). The dispatch adds
 only what is built on the interface alone: ``is_oom(exc)`` (``is_oom_error`` over the
 exception's causes), ``clear_memory()`` (garbage collection first), ``has_accelerator()``,
-and the constants ``BACKEND`` and ``STEP_READS_EXTERNAL_VARIABLES``.
+``step_memory(model, data, run_step)`` (the byte counts of the model's variables and the batch,
+then the implementation's ``step_memory``), and the constants ``BACKEND``,
+``STEP_READS_EXTERNAL_VARIABLES`` and ``STEP_MEMORY_RUNS_STEP``.
 
 Re-exported from backend-neutral modules below this package, so that callers reach them here
 too: ``host_memory()`` and ``reset_host_peak_memory()`` (`keras_perf._host_memory`),
@@ -67,8 +81,10 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 
 import keras
+import numpy as np
 
 from keras_perf._host_memory import host_memory, reset_host_peak_memory
 from keras_perf._keras_internals import examples_seen, is_functional
@@ -90,6 +106,7 @@ else:
 
 __all__ = [
     "BACKEND",
+    "STEP_MEMORY_RUNS_STEP",
     "STEP_READS_EXTERNAL_VARIABLES",
     "any_worker",
     "carry_in_step_state",
@@ -115,6 +132,8 @@ __all__ = [
     "reset_host_peak_memory",
     "reset_peak_memory",
     "set_global_rng_state",
+    "step_memory",
+    "step_memory_unavailable",
     "tf_data_has_stage",
     "tf_data_tuned",
 ]
@@ -131,6 +150,7 @@ moving_average_fake_quant = getattr(_impl, "moving_average_fake_quant", None)
 carry_in_step_state = getattr(_impl, "carry_in_step_state", lambda model, variables: True)
 release_step_state = getattr(_impl, "release_step_state", lambda model, variables: None)
 kernel_op = _impl.kernel_op
+step_memory_unavailable = _impl.step_memory_unavailable
 
 
 def any_worker(flag: bool, model=None) -> bool:
@@ -186,6 +206,41 @@ def has_accelerator() -> bool:
 #: optimizer's state when it runs (TensorFlow graphs, eager torch), or bakes its value in when
 #: traced (a jitted JAX step receives only that state; see `carry_in_step_state`).
 STEP_READS_EXTERNAL_VARIABLES: bool = BACKEND != "jax"
+
+#: Whether `step_memory` runs the training step to measure it (TensorFlow, torch: the peak is
+#: read during the step) or compiles it only (JAX: XLA's memory analysis).
+STEP_MEMORY_RUNS_STEP: bool = BACKEND != "jax"
+
+
+def _nbytes(tensors) -> int:
+    total = 0
+    for t in tensors:
+        if t is not None:
+            dtype = keras.backend.standardize_dtype(t.dtype)
+            total += math.prod(int(d) for d in t.shape) * np.dtype(dtype).itemsize
+    return total
+
+
+def step_memory(model, data, run_step) -> dict:
+    """The peak memory of one training step of `model` on `data`, measured in process.
+
+    Args:
+        model: A compiled, built model (its optimizer and metrics built too).
+        data: The batch, `(x, y, sample_weight)`.
+        run_step: Runs one training step on `data` (TensorFlow and torch run it inside
+            their measure; JAX compiles the step and does not call it).
+
+    Returns:
+        ``{"bytes", "measure", "ran"}`` (see the interface above).
+    """
+    optimizer = getattr(model, "optimizer", None)
+    state = {id(v): v for v in list(model.variables) + list(getattr(optimizer, "variables", []))}
+    sizes = {
+        "state": _nbytes(state.values()),
+        "trainable": _nbytes(model.trainable_variables),
+        "batch": _nbytes(keras.tree.flatten(data)),
+    }
+    return _impl.step_memory(model, data, run_step, sizes)
 
 
 # The framework's own global RNG (torch's), which `fit` and `clone_model` draw from beside

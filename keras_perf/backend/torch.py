@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 
@@ -41,6 +43,73 @@ def reset_peak_memory() -> bool:
         return False
     torch.cuda.reset_peak_memory_stats()
     return True
+
+
+class _Holder:
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+class SavedTensorsPeak:
+    """Peak bytes of the distinct storages autograd keeps for backward, weights and data not.
+
+    Its `pack`/`unpack` go to `torch.autograd.graph.saved_tensors_hooks`; a storage held by
+    several saved tensors counts once, and counts until the last of them is released. The
+    storages in `excluded` (the weights) and tensors outside the graph (input data) are not
+    counted: they live beside the step anyway.
+    """
+
+    def __init__(self, excluded=()):
+        self.excluded, self.live, self.current, self.peak = set(excluded), {}, 0, 0
+
+    def pack(self, t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in self.excluded or (t.grad_fn is None and not t.requires_grad):
+            return t
+        holder = _Holder(t)
+        if ptr not in self.live:
+            self.current += t.untyped_storage().nbytes()
+            self.peak = max(self.peak, self.current)
+        self.live[ptr] = self.live.get(ptr, 0) + 1
+        weakref.finalize(holder, self._release, ptr, t.untyped_storage().nbytes())
+        return holder
+
+    def _release(self, ptr, nbytes):
+        self.live[ptr] -= 1
+        if not self.live[ptr]:
+            del self.live[ptr]
+            self.current -= nbytes
+
+    @staticmethod
+    def unpack(h):
+        return h.tensor if isinstance(h, _Holder) else h
+
+
+def step_memory_unavailable():
+    return None
+
+
+def step_memory(model, data, run_step, sizes) -> dict:
+    """On CUDA, the allocator's peak during `run_step()` above its bytes in use before, plus
+    the model's and optimizer's variables (held before). On a CPU, where torch keeps no
+    allocator statistics, the peak of the tensors saved for backward plus the variables, one
+    gradient per trainable weight and the batch."""
+    model.zero_grad(set_to_none=True)  # gradients left by an earlier step would count as "before"
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        run_step()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+        return {"bytes": int(sizes["state"] + peak), "measure": "torch_cuda_peak", "ran": True}
+    saved = SavedTensorsPeak(v.value.untyped_storage().data_ptr() for v in model.variables)
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+        run_step()
+    total = sizes["state"] + sizes["trainable"] + sizes["batch"] + saved.peak
+    return {"bytes": int(total), "measure": "torch_saved_tensors", "ran": True}
 
 
 def list_devices():

@@ -1,4 +1,5 @@
-"""Training that survives out-of-memory: `fit_with_oom_retry` and `find_max_microbatch`.
+"""Training that survives out-of-memory: `fit_with_oom_retry`, `find_max_microbatch` and
+`find_max_batch_size`.
 
 We follow Composer's approach rather than the reference articles' (catch the error, re-run
 `fit` with half the batch: progress lost and the optimisation changed): the failed epoch is
@@ -37,17 +38,30 @@ The parts, in the order a batch `x` goes through a retry:
   accumulation), the accumulation rung itself, with `PerUpdateSchedule`, and the ladder
   (the order of remat and micro-batches per model, `strategies=`).
 - `_probe`: `find_max_microbatch`, one probing train step per micro-batch count.
+- `_batch_size`: `find_max_batch_size`, the largest batch per train-step setting (plain,
+  remat, micro-batches, both), by trying steps of doubling then narrowed sizes; a try fails
+  on out-of-memory or above a memory cap, measured by `kp.backend.step_memory`.
+- `_batch_report`: `MaxBatchSizeReport`, what it returns, and `MEASURES`.
 
-The runnable examples are in the docstrings of `fit_with_oom_retry` (`_retry`) and
-`find_max_microbatch` (`_probe`); tests/test_doctests.py runs them.
+The runnable examples are in the docstrings of `fit_with_oom_retry` (`_retry`),
+`find_max_microbatch` (`_probe`) and `find_max_batch_size` (`_batch_size`);
+tests/test_doctests.py runs them.
 """
 
 from __future__ import annotations
 
+from keras_perf.oom._batch_report import MEASURES, MaxBatchSizeReport
+from keras_perf.oom._batch_size import find_max_batch_size
 from keras_perf.oom._probe import find_max_microbatch
 from keras_perf.oom._retry import fit_with_oom_retry
 
 # Importable from here as before the split (pickles name `keras_perf.oom.PerUpdateSchedule`).
 from keras_perf.oom._rungs import PerUpdateSchedule  # noqa: F401
 
-__all__ = ["fit_with_oom_retry", "find_max_microbatch"]
+__all__ = [
+    "MEASURES",
+    "MaxBatchSizeReport",
+    "find_max_batch_size",
+    "find_max_microbatch",
+    "fit_with_oom_retry",
+]

@@ -28,18 +28,24 @@ def _is_unbatched_tf_data(model, x) -> bool:
     return spec.shape.rank == len(inputs[0].shape) - 1
 
 
-def _probe_batch(model, x, y, batch_size):
-    """The first `batch_size` examples of `x` as `(x, y, sample_weight)` arrays."""
-    if _is_array_input(x):
-        return (*map_batch(lambda t: t[:batch_size], (x, y)), None)
+def check_not_consumable(x, caller: str) -> None:
+    """Refuse a generator or iterator `x`, which reading a probe batch would consume."""
     if isinstance(x, types.GeneratorType) or (hasattr(x, "__next__") and iter(x) is x):
         raise TypeError(
-            "find_max_microbatch: `x` is a generator or iterator, which the probe would "
+            f"{caller}: `x` is a generator or iterator, which the probe would "
             "consume. Pass arrays, a `tf.data.Dataset`, a `keras.utils.PyDataset` or a torch "
             "DataLoader."
         )
+
+
+def _probe_batch(model, x, y, batch_size, caller="find_max_microbatch", size_name="batch_size"):
+    """The first `batch_size` examples of `x` as `(x, y, sample_weight)` arrays; `caller`
+    and `size_name` name the function and the size's argument in error messages."""
+    if _is_array_input(x):
+        return (*map_batch(lambda t: t[:batch_size], (x, y)), None)
+    check_not_consumable(x, caller)
     if y is not None:
-        raise ValueError("find_max_microbatch: `y` must be None when `x` is a dataset.")
+        raise ValueError(f"{caller}: `y` must be None when `x` is a dataset.")
     if hasattr(x, "element_spec") and _is_unbatched_tf_data(model, x):
         x = x.batch(batch_size)
     if isinstance(x, keras.utils.PyDataset):
@@ -48,9 +54,7 @@ def _probe_batch(model, x, y, batch_size):
         try:
             batches = iter(x)
         except TypeError:
-            raise TypeError(
-                f"find_max_microbatch: unsupported `x` of type {type(x).__name__}."
-            ) from None
+            raise TypeError(f"{caller}: unsupported `x` of type {type(x).__name__}.") from None
     taken, n = [], 0
     for batch in batches:
         # A DataLoader yields lists: (x, y) as a list.
@@ -62,9 +66,7 @@ def _probe_batch(model, x, y, batch_size):
         if n >= batch_size:
             break
     if n < batch_size:
-        raise ValueError(
-            f"find_max_microbatch: `x` holds {n} examples, fewer than batch_size={batch_size}."
-        )
+        raise ValueError(f"{caller}: `x` holds {n} examples, fewer than {size_name}={batch_size}.")
     joined = keras.tree.map_structure(
         lambda *ts: None if ts[0] is None else np.concatenate(ts)[:batch_size], *taken
     )

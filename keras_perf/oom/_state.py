@@ -77,11 +77,12 @@ def _state_variables(model) -> list:
     return variables
 
 
-def _snapshot(model) -> list:
+def _snapshot(model, variables=None) -> list:
+    """Host copies of `variables` (default: `_state_variables(model)`), for `_restore`."""
     # np.array(copy=True): on CPU, torch and JAX may hand out views of the live buffers.
     return [
         (v, np.array(keras.ops.convert_to_numpy(v.value), copy=True))
-        for v in _state_variables(model)
+        for v in (_state_variables(model) if variables is None else variables)
     ]
 
 

@@ -1,0 +1,84 @@
+"""`MaxBatchSizeReport`: what `kp.find_max_batch_size` found, one row per setting.
+
+A read-only mapping that prints as a table, like `kp.precision_report()`'s report; the
+names of the memory measures a row can name (`MEASURES`). Not here: the search
+(`_batch_size`).
+"""
+
+from __future__ import annotations
+
+import collections.abc
+
+__all__ = ["MEASURES", "MaxBatchSizeReport"]
+
+#: What each measure counts (a row's `measure` names one).
+MEASURES = {
+    "tf_allocator_peak": "TensorFlow allocator's peak during the step, plus the variables",
+    "torch_cuda_peak": "torch CUDA allocator's peak during the step, plus the variables",
+    "torch_saved_tensors": "tensors saved for backward (peak) + variables, gradients, batch",
+    "xla_memory_analysis": "XLA memory analysis: arguments + outputs - donated + temp",
+}
+
+
+def _megabytes(n: int) -> str:
+    return f"{n / 1e6:,.3f}" if n < 1e8 else f"{n / 1e6:,.0f}"
+
+
+class MaxBatchSizeReport(collections.abc.Mapping):
+    """What `kp.find_max_batch_size` found: setting name -> row; prints as a table.
+
+    Each row: `setting`, `remat` and `microbatches` (the train step's settings),
+    `batch_size` (the largest batch that fitted, 0 if none did), `peak_bytes` (the measured
+    peak at that batch, None where not measured), `measure` (the measure's name, a key of
+    `kp.oom.MEASURES`, or None), `limited_by` (`"max_batch_size"`, `"memory_limit"` or
+    `"out_of_memory"`: what stopped the search) and `tries` (every try in order:
+    `batch_size`, `fits`, `peak_bytes`, `reason` (None, `"memory_limit"` or `"out_of_memory"`)
+    and `error` (the out-of-memory error's text, else None)).
+    Attributes: `backend`, `device`, `memory_limit_bytes`, `max_batch_size` (the largest
+    batch searched).
+    """
+
+    def __init__(self, rows: dict, backend: str, device: str, memory_limit_bytes, max_batch_size):
+        self._rows = dict(rows)
+        self.backend, self.device = backend, device
+        self.memory_limit_bytes, self.max_batch_size = memory_limit_bytes, max_batch_size
+
+    def __getitem__(self, key):
+        return self._rows[key]
+
+    def __iter__(self):
+        return iter(self._rows)
+
+    def __len__(self):
+        return len(self._rows)
+
+    def to_dict(self) -> dict:
+        """A JSON-serialisable copy of the report (the rows under `"settings"`)."""
+        return {
+            "backend": self.backend,
+            "device": self.device,
+            "memory_limit_bytes": self.memory_limit_bytes,
+            "max_batch_size": self.max_batch_size,
+            "settings": {
+                name: {**row, "tries": [dict(t) for t in row["tries"]]}
+                for name, row in self._rows.items()
+            },
+        }
+
+    def __str__(self) -> str:
+        limit = self.memory_limit_bytes
+        cap = "no memory limit" if limit is None else f"memory limit {_megabytes(limit)} MB"
+        lines = [
+            f"max batch size ({self.backend}, {self.device}; {cap}; at most {self.max_batch_size})",
+            f"{'setting':<24}{'batch':>7}{'peak MB':>10}{'tries':>7}  {'limited by':<16}measure",
+        ]
+        for name, row in self._rows.items():
+            label = name if not row["microbatches"] > 1 else f"{name} ({row['microbatches']})"
+            peak = "-" if row["peak_bytes"] is None else _megabytes(row["peak_bytes"])
+            lines.append(
+                f"{label:<24}{row['batch_size']:>7}{peak:>10}{len(row['tries']):>7}  "
+                f"{row['limited_by']:<16}{row['measure'] or '-'}"
+            )
+        return "\n".join(lines)
+
+    __repr__ = __str__

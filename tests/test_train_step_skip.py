@@ -132,3 +132,32 @@ def test_finite_steps_update_batchnorm_as_plain_fit():
         np.testing.assert_allclose(
             keras.ops.convert_to_numpy(b), keras.ops.convert_to_numpy(a), atol=1e-6
         )
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_a_skipped_step_is_left_out_of_the_logged_loss_and_metrics(microbatches):
+    """A skipped step changes nothing, so a run with one poisoned batch per epoch is the run
+    without that batch: its logged loss and accuracy are that run's (finite), and Keras'
+    `TerminateOnNaN` does not stop it. `grad_norm` and `skipped_steps` still count it."""
+    from tests import models
+
+    rng = np.random.default_rng(0)
+    x, y = rng.random((64, 8), dtype="float32"), rng.integers(0, 3, 64)
+    sw = np.ones(64, "float32")
+    sw[20] = np.nan  # the second batch of 16: a NaN loss, a skipped step
+
+    def run(x, y, sw, **kwargs):
+        model = kp.loss_scaled(models.mlp([8], 8, 3, seed=0), microbatches=microbatches)
+        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])  # fmt: skip
+        history = model.fit(x, y, sample_weight=sw, batch_size=16, epochs=3, shuffle=False,
+                            verbose=0, **kwargs)  # fmt: skip
+        return history.history
+
+    poisoned = run(x, y, sw, callbacks=[keras.callbacks.TerminateOnNaN()])
+    keep = np.r_[0:16, 32:64]
+    clean = run(x[keep], y[keep], sw[keep])
+    assert len(poisoned["loss"]) == 3 and np.isfinite(poisoned["loss"]).all()
+    np.testing.assert_allclose(poisoned["loss"], clean["loss"], rtol=1e-5)
+    np.testing.assert_allclose(poisoned["accuracy"], clean["accuracy"])
+    assert poisoned["skipped_steps"] == [1.0] * 3 and clean["skipped_steps"] == [0.0] * 3

@@ -371,6 +371,22 @@ class TrainStepBase(RematSettings):
             self._kp_restore_cache = cached
         return cached[1]
 
+    def _kp_metrics_restored_on_skip(self):
+        """Per entry of `self.metrics_variables`: whether a skipped step restores it.
+
+        Every metric's state (the loss tracker, the compiled metrics) is put back, so that the
+        epoch's logs average the steps that were applied: a NaN batch the step skipped does not
+        make the logged `loss` NaN for the rest of the epoch (which would stop
+        `keras.callbacks.TerminateOnNaN` and never let `EarlyStopping` on `loss` improve).
+        `grad_norm` and `skipped_steps` are the exceptions: they count the skipped step.
+        """
+        own = {
+            id(v)
+            for tracker in (self.grad_norm_tracker, self.skipped_steps_tracker)
+            for v in tracker.variables
+        }
+        return tuple(id(v) not in own for v in self.metrics_variables)
+
     # -- exact micro-batched loss ---------------------------------------------------------
     def _kp_check_microbatching(self, data):
         """Refuse, before any update, what micro-batching cannot split exactly (at trace time)."""

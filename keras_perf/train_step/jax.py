@@ -79,7 +79,7 @@ class TrainStep(TrainStepBase):
 
     def _kp_train_step(self, state, data):
         trainable, non_trainable, optimizer_vars, metrics_vars = state
-        before = non_trainable
+        before, metrics_before = non_trainable, metrics_vars
         x, y, sw = keras.utils.unpack_x_y_sample_weight(data)
         batch = int(first_tensor(x).shape[0])
         size, count = self._kp_slice_size(batch)
@@ -127,6 +127,13 @@ class TrainStep(TrainStepBase):
         non_trainable = [
             jax.numpy.where(finite, new, old) if restore and new is not old else new
             for new, old, restore in zip(non_trainable, before, self._kp_restored_on_skip())
+        ]
+        # Nor is its loss or metric value tracked (grad_norm and skipped_steps count it below).
+        metrics_vars = [
+            jax.numpy.where(finite, new, old) if restore and new is not old else new
+            for new, old, restore in zip(
+                metrics_vars, metrics_before, self._kp_metrics_restored_on_skip()
+            )
         ]
         if lso is not None:
             trainable, optimizer_vars = self.optimizer.stateless_apply(

@@ -78,16 +78,16 @@ def _coalesce(grads):
 
 
 def _saved_before_forward(model):
-    """(variable, value) for each non-trainable variable a skipped step restores, read now.
+    """(variable, value) for each non-trainable and metric variable a skipped step restores.
 
     A read is no copy: TensorFlow keeps the old buffer only while an assignment replaces it.
     Under a tf.distribute strategy each replica reads (and restores) its own copy.
     """
-    return [
-        (v, tf.identity(v.value))
-        for v, restore in zip(model.non_trainable_variables, model._kp_restored_on_skip())
-        if restore
+    variables = [
+        *zip(model.non_trainable_variables, model._kp_restored_on_skip()),
+        *zip(model.metrics_variables, model._kp_metrics_restored_on_skip()),
     ]
+    return [(v, tf.identity(v.value)) for v, restore in variables if restore]
 
 
 def _restore_if_skipped(finite, saved):

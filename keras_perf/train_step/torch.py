@@ -54,7 +54,7 @@ class TrainStep(TrainStepBase):
 
     def _kp_snapshot(self):
         """What a skipped step restores: (variable, version, saved value) per restored
-        non-trainable variable.
+        non-trainable and metric variable.
 
         Eager, so the values must be copied before the forward pass writes them in place.
         Only the variables a forward pass has written before (told by torch's version
@@ -68,6 +68,10 @@ class TrainStep(TrainStepBase):
                 t = v.value
                 saved = t.detach().clone() if written is None or id(v) in written else None
                 snapshot.append((v, t._version, saved))
+        # Metric state (a few scalars each, written every step): always copied.
+        for v, restore in zip(self.metrics_variables, self._kp_metrics_restored_on_skip()):
+            if restore:
+                snapshot.append((v, v.value._version, v.value.detach().clone()))
         return snapshot
 
     def _kp_restore_if_skipped(self, snapshot, finite):

@@ -13,7 +13,7 @@ import contextlib
 import numbers
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import keras
 
@@ -58,6 +58,21 @@ def metric_results_deferred():
 
 def metric_results_are_deferred() -> bool:
     return getattr(_LOCAL, "defer_results", False)
+
+
+class ReadOnlyReport(Mapping):
+    """A read-only mapping over `self._data`: the base of the reports that print as tables."""
+
+    _data: dict
+
+    def __getitem__(self, key):
+        return self._data[key]
+
+    def __iter__(self):
+        return iter(self._data)
+
+    def __len__(self):
+        return len(self._data)
 
 
 class KerasPerfWarning(UserWarning):

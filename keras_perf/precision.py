@@ -10,7 +10,6 @@ around each layer), so the training step decides. The result is computed once pe
 
 from __future__ import annotations
 
-import collections.abc
 import statistics
 import time
 
@@ -18,6 +17,7 @@ import keras
 import numpy as np
 
 from keras_perf import backend as _backend
+from keras_perf._utils import ReadOnlyReport
 
 __all__ = ["precision_report", "PrecisionReport", "SPEEDUP_THRESHOLD", "slower_than_float32"]
 
@@ -30,7 +30,7 @@ _CPU_FLAGS = ("amx_bf16", "avx512_bf16", "amx_fp16", "avx512_fp16", "amx_tile")
 _CACHE: dict = {}
 
 
-class PrecisionReport(collections.abc.Mapping):
+class PrecisionReport(ReadOnlyReport):
     """What `kp.precision_report()` measured: a read-only mapping that prints as a table.
 
     Keys: `backend`, `device` (`kind`, `name`; on a Linux CPU also `half_precision_units`, the
@@ -44,15 +44,6 @@ class PrecisionReport(collections.abc.Mapping):
 
     def __init__(self, data: dict):
         self._data = dict(data)
-
-    def __getitem__(self, key):
-        return self._data[key]
-
-    def __iter__(self):
-        return iter(self._data)
-
-    def __len__(self):
-        return len(self._data)
 
     def to_dict(self) -> dict:
         """A JSON-serialisable copy of the report."""

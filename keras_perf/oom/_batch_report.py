@@ -7,7 +7,7 @@ names of the memory measures a row can name (`MEASURES`). Not here: the search
 
 from __future__ import annotations
 
-import collections.abc
+from keras_perf._utils import ReadOnlyReport
 
 __all__ = ["MEASURES", "MaxBatchSizeReport"]
 
@@ -24,7 +24,7 @@ def _megabytes(n: int) -> str:
     return f"{n / 1e6:,.3f}" if n < 1e8 else f"{n / 1e6:,.0f}"
 
 
-class MaxBatchSizeReport(collections.abc.Mapping):
+class MaxBatchSizeReport(ReadOnlyReport):
     """What `kp.find_max_batch_size` found: setting name -> row; prints as a table.
 
     Each row: `setting`, `remat` and `microbatches` (the train step's settings),
@@ -39,18 +39,9 @@ class MaxBatchSizeReport(collections.abc.Mapping):
     """
 
     def __init__(self, rows: dict, backend: str, device: str, memory_limit_bytes, max_batch_size):
-        self._rows = dict(rows)
+        self._data = dict(rows)
         self.backend, self.device = backend, device
         self.memory_limit_bytes, self.max_batch_size = memory_limit_bytes, max_batch_size
-
-    def __getitem__(self, key):
-        return self._rows[key]
-
-    def __iter__(self):
-        return iter(self._rows)
-
-    def __len__(self):
-        return len(self._rows)
 
     def to_dict(self) -> dict:
         """A JSON-serialisable copy of the report (the rows under `"settings"`)."""
@@ -61,7 +52,7 @@ class MaxBatchSizeReport(collections.abc.Mapping):
             "max_batch_size": self.max_batch_size,
             "settings": {
                 name: {**row, "tries": [dict(t) for t in row["tries"]]}
-                for name, row in self._rows.items()
+                for name, row in self._data.items()
             },
         }
 
@@ -72,7 +63,7 @@ class MaxBatchSizeReport(collections.abc.Mapping):
             f"max batch size ({self.backend}, {self.device}; {cap}; at most {self.max_batch_size})",
             f"{'setting':<24}{'batch':>7}{'peak MB':>10}{'tries':>7}  {'limited by':<16}measure",
         ]
-        for name, row in self._rows.items():
+        for name, row in self._data.items():
             label = name if not row["microbatches"] > 1 else f"{name} ({row['microbatches']})"
             peak = "-" if row["peak_bytes"] is None else _megabytes(row["peak_bytes"])
             lines.append(

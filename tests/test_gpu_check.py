@@ -82,8 +82,8 @@ def test_dry_run_gives_every_row_without_tensorflow_nor_the_other_backend(tmp_pa
     assert result["not_installed"] == [OTHER] and list(result["devices"]) == [BACKEND]
     rows = result["rows"]
     assert [r["id"] for r in rows] == gpu_check.expected_ids()
-    assert len(rows) == 20
-    assert [r["error"] for r in rows] == [None] * 20
+    assert len(rows) == 27
+    assert [r["error"] for r in rows] == [None] * 27
     assert all(r["dry_run"] and r["backend"] == BACKEND for r in rows)
     # Nothing optional was imported in any worker process (the blocker held, and nothing
     # needed TensorFlow: keras itself imports sklearn and matplotlib where installed).
@@ -91,7 +91,7 @@ def test_dry_run_gives_every_row_without_tensorflow_nor_the_other_backend(tmp_pa
     assert result["devices"][BACKEND]["device"] == "CPU"
     # One table, one line per row, each marked as a dry run.
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("| ")]
-    assert len(lines) == 1 + 20 and lines[0].startswith("| section | backend | case |")
+    assert len(lines) == 1 + 27 and lines[0].startswith("| section | backend | case |")
     assert all("dry-run" in ln and "ERROR" not in ln for ln in lines[1:])
     assert [ln for ln in md.read_text().splitlines() if ln.startswith("| ")] == lines
     by_id = {r["id"]: r for r in rows}
@@ -132,6 +132,15 @@ def test_dry_run_gives_every_row_without_tensorflow_nor_the_other_backend(tmp_pa
         if r["what_if"]:
             assert r["top"] == r["what_if"][0]["change"] and r["real"] > 0
             assert r["ratio"] == pytest.approx(r["predicted"] / r["real"])
+    # 6: remat against none, per model: a peak, a step-time ratio and a memory ratio; then the
+    # injected OOM fixed by remat at the same batch, with the weights of remat from the start.
+    for model in ("mlp", "transformer", "resnet50"):
+        none, full = by_id[f"6/{model}/remat=none"], by_id[f"6/{model}/remat=full"]
+        assert none["peak_memory_bytes"] > 0 and full["peak_memory_bytes"] > 0
+        assert none["ratio"] is None and full["ratio"] > 0 and full["memory_ratio"] > 0
+    fixed = by_id["6/oom_fixed_by_remat"]
+    assert [e["strategy"] for e in fixed["oom_events"]] == ["remat"]
+    assert fixed["batch"] == 16 and fixed["max_weight_diff"] <= 1e-5
 
 
 @pytest.mark.parametrize("cmd", [MODULE, ["-m", "keras_perf", "bench", "--gpu"]])
@@ -180,7 +189,7 @@ def test_script_refuses_tensorflow_and_unknown_sections():
     with pytest.raises(SystemExit, match="jax and/or torch"):
         gpu_check._parse_backends("tensorflow")
     with pytest.raises(SystemExit):
-        gpu_check.build_parser().parse_args(["--sections", "6"])
+        gpu_check.build_parser().parse_args(["--sections", "7"])
 
 
 def test_a_process_that_dies_leaves_an_error_in_each_of_its_rows():
@@ -309,3 +318,25 @@ def test_ratios_and_table():
     assert "| 2.50x speed |" in text[3] and "| 40.0% |" in text[3]
     assert "| 1.30x time | 3.00 GiB |" in text[5]
     assert text[6].endswith("| ERROR: out of memory |")
+
+
+def test_remat_rows_report_time_and_memory_against_no_remat():
+    rows = [
+        {
+            "id": f"6/transformer/remat={mode}",
+            "section": 6,
+            "backend": "torch",
+            "case": mode,
+            "step_ms": ms,
+            "peak_memory_bytes": peak,
+            "error": None,
+        }
+        for mode, ms, peak in (("none", 100.0, 8 * 2**30), ("full", 124.0, 2**30))
+    ]
+    gpu_check.add_ratios(rows)
+    assert rows[0]["ratio"] is None and rows[1]["ratio"] == pytest.approx(1.24)
+    assert rows[1]["memory_ratio"] == pytest.approx(8.0)
+    line = gpu_check.table(rows).splitlines()[3]
+    assert "| 1.24x time | 1.00 GiB |" in line
+    assert "peak memory of remat=none / this: 8.00" in line
+    assert gpu_check.expected_ids([6])[-1] == "6/oom_fixed_by_remat"

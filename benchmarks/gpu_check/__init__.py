@@ -1,6 +1,6 @@
 """GPU check: every GPU claim of keras-perf on the CUDA device present, on JAX and on torch.
 
-Five sections, each backend in child processes with KERAS_BACKEND set (TensorFlow is not
+Six sections, each backend in child processes with KERAS_BACKEND set (TensorFlow is not
 needed: Keras plus JAX or torch is enough; a backend that is not installed is not run, and the
 output says so):
 
@@ -27,6 +27,12 @@ output says so):
    speed-up beside that of real 3-epoch fits with the change (alternated, 3 repeats, median);
    and its own time against `max_seconds`. On JAX it runs in a process of its own (JAX's peak
    memory cannot be reset, and the other sections' peaks would stand in for this model's).
+6. Gradient checkpointing (`kp.loss_scaled(model, remat="full")` vs none) on a deep MLP
+   (16 x 4096 gelu), a Transformer encoder (seq 512, d 512, 4 blocks) and ResNet50 at 64 x 64:
+   the peak memory of one step from `kp.backend.step_memory` (torch: the CUDA allocator's peak;
+   JAX: XLA's memory analysis of the step compiled for the GPU) and the step time; then a real
+   out-of-memory that `kp.fit_with_oom_retry(strategies=("remat",))` fixes without changing
+   the batch (a 64-layer gelu MLP whose plain step saves about 1.25 x the device's memory).
 
 `--dry-run` runs the same code on the CPU with tiny models (a small CNN instead of ResNet50,
 an injected OOM as in tests/test_oom.py, since a CPU never runs out of memory, diagnose with a
@@ -37,7 +43,7 @@ run; the JSON keeps every row.
 
 Run from the repository root (docs/gpu.md has the steps for a fresh GPU machine):
 
-    python -m benchmarks.gpu_check [--dry-run] [--backends jax,torch] [--sections 1,2,3,4,5]
+    python -m benchmarks.gpu_check [--dry-run] [--backends jax,torch] [--sections 1,2,3,4,5,6]
         [--json out.json] [--markdown table.md]
     python -m benchmarks.gpu_check --merge jax.json torch.json   # one table from split runs
     keras-perf bench --gpu [--dry-run] [--json out.json]
@@ -45,7 +51,7 @@ Run from the repository root (docs/gpu.md has the steps for a fresh GPU machine)
 `--backends` defaults to KERAS_BACKEND when it is jax or torch, else to both.
 
 Modules: `_config` (sizes, row ids), `_common` (what the sections share), one module per
-section (`_precision`, `_microbatch`, `_oom`, `_distill_prune`, `_diagnose`), `_worker` (one
+section (`_precision`, `_microbatch`, `_oom`, `_distill_prune`, `_diagnose`, `_remat`), `_worker` (one
 child process's sections), `_orchestrate` (the child processes, per backend) and `_table`.
 """
 

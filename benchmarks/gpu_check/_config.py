@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 BACKENDS = ("jax", "torch")
-SECTIONS = (1, 2, 3, 4, 5)
+SECTIONS = (1, 2, 3, 4, 5, 6)
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
 MICROBATCHES = (1, 2, 4, 8)
 MODELS = ("mlp", "convnet")
 DIAGNOSE_CASES = ("input", "host", "compute", "resnet50")
+REMAT_MODELS = ("mlp", "transformer", "resnet50")
+REMAT_MODES = ("none", "full")
 # Never needed here: a worker reports any of these it finds imported.
 OPTIONAL = ("tensorflow", "tf_keras", "tensorflow_model_optimization", "sklearn", "matplotlib")
 RESNET50_MACS = 4.1e9  # forward multiply-adds at 224 x 224 (He et al. 2016, table 1: 3.8-4.1 G)
@@ -43,6 +45,14 @@ SIZES = {
             "repeats": 3,
             "epochs": 3,
         },
+        "remat": {
+            "mlp": {"inputs": 1024, "width": 4096, "depth": 16, "batch": 4096},
+            "transformer": {"seq": 512, "d": 512, "heads": 8, "ff": 2048, "blocks": 4, "batch": 64},
+            "resnet50": {"image": 64, "batch": 256},
+            "steps": 3,
+            # 64 gelu layers 1024 wide: plain saves 2 x 4 x 1024 x 64 bytes per example.
+            "oom": {"inputs": 256, "width": 1024, "depth": 64, "over": 1.25, "steps": 2},
+        },
     },
     "dry": {
         "mlp": {"inputs": 32, "width": 64, "depth": 2, "classes": 10, "batch": 32},
@@ -68,6 +78,13 @@ SIZES = {
             "repeats": 1,
             "epochs": 1,
         },
+        "remat": {
+            "mlp": {"inputs": 16, "width": 32, "depth": 4, "batch": 16},
+            "transformer": {"seq": 8, "d": 16, "heads": 2, "ff": 32, "blocks": 1, "batch": 4},
+            "resnet50": {"image": 16, "batch": 8},
+            "steps": 1,
+            "oom": {"inputs": 8, "width": 16, "depth": 3, "batch": 16, "steps": 2},
+        },
     },
 }
 
@@ -91,6 +108,9 @@ def expected_ids(sections=SECTIONS, microbatches=MICROBATCHES) -> list[str]:
             ]
         elif s == 5:
             ids += [f"5/{case}" for case in DIAGNOSE_CASES]
+        elif s == 6:
+            ids += [f"6/{m}/remat={r}" for m in REMAT_MODELS for r in REMAT_MODES]
+            ids += ["6/oom_fixed_by_remat"]
     return ids
 
 
@@ -102,6 +122,8 @@ def _baseline(row_id: str) -> tuple[str, str] | None:
         return f"1/{parts[1]}/float32", "examples_per_s"
     if parts[0] == "2" and parts[1] != "microbatches=1":
         return "2/microbatches=1", "step_ms"
+    if parts[0] == "6" and parts[-1].startswith("remat=") and parts[-1] != "remat=none":
+        return f"6/{parts[1]}/remat=none", "step_ms"
     if row_id == "4/distillation/DistillationModel":
         return "4/distillation/plain_student", "step_ms"
     if row_id == "4/pruning/PruningCallback":

@@ -19,6 +19,8 @@ def add_ratios(rows: list[dict]) -> None:
             r["ratio"] = r[spec[1]] / base[spec[1]]
             r["ratio_of"] = spec[1]
             r["baseline"] = spec[0]
+        if base and r.get("peak_memory_bytes") and base.get("peak_memory_bytes"):
+            r["memory_ratio"] = base["peak_memory_bytes"] / r["peak_memory_bytes"]
 
 
 HEAD = [
@@ -39,6 +41,7 @@ SECTION_NAMES = {
     3: "3 OOM recovery",
     4: "4 distill / prune",
     5: "5 diagnose",
+    6: "6 remat",
 }
 RATIO_WORDS = {
     "examples_per_s": "x speed",
@@ -56,6 +59,8 @@ def table(rows: list[dict]) -> str:
             note = ("dry-run; " if r.get("dry_run") else "") + "ERROR: " + r["error"]
         ratio = r.get("ratio")
         ratio = "-" if ratio is None else f"{ratio:.2f}{RATIO_WORDS[r['ratio_of']]}"
+        if r.get("memory_ratio") and r["section"] == 6:
+            note = f"peak memory of remat=none / this: {r['memory_ratio']:.2f}; " + note
         mfu = [("-" if r.get(k) is None else f"{r[k]:.1%}") for k in ("mfu_monitor", "mfu_hand")]
         cells = [
             SECTION_NAMES.get(r["section"], str(r["section"])),

@@ -14,12 +14,14 @@ from ._distill_prune import section_distill_prune
 from ._microbatch import section_memory
 from ._oom import section_oom
 from ._precision import section_mixed_precision
+from ._remat import section_remat
 
 SECTION_RUNNERS = {
     1: section_mixed_precision,
     3: section_oom,
     4: section_distill_prune,
     5: section_diagnose,
+    6: section_remat,
 }
 
 

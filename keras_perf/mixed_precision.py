@@ -18,11 +18,11 @@ def setup_mixed_precision(policy: str = "auto") -> str:
 
     `"auto"` picks the policy `kp.precision_report()` measured fastest here:
 
-    - on GPUs and TPUs, by device: `"mixed_float16"` when every visible GPU is a CUDA GPU of
-      compute capability >= 7.0 (Volta and newer have float16 tensor cores; float16 over
-      bfloat16 even on Ampere and newer because it runs on every such GPU at the same
-      tensor-core speed and keras-perf's train step makes its loss scaling free and visible:
-      pass `"mixed_bfloat16"` yourself on compute capability >= 8.0 to skip loss scaling);
+    - on GPUs and TPUs, by device: `"mixed_bfloat16"` when every visible GPU is a CUDA GPU of
+      compute capability >= 8.0 (Ampere and newer: bfloat16 tensor cores at float16's rate, and
+      no loss scaling; on an H100 a matmul-bound MLP trained 3.97x as fast as float32 in
+      bfloat16 and 3.14x in loss-scaled float16 on torch, 1.73x and 1.78x on JAX);
+      `"mixed_float16"` on compute capability 7.x (Volta, Turing: float16 tensor cores only);
       `"mixed_bfloat16"` on TPU, whose matrix units compute in bfloat16; `"float32"` on older
       GPUs;
     - on a CPU, by measurement: `"mixed_bfloat16"` when a Keras training step of a small Dense

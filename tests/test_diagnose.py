@@ -230,28 +230,29 @@ def _record_fits(monkeypatch):
     return seen
 
 
+@pytest.mark.parametrize(
+    "capability, policy", [((7, 5), "mixed_float16"), ((9, 0), "mixed_bfloat16")]
+)
 def test_mixed_precision_what_if_on_an_accelerator_leaves_the_policy_and_model_alone(
-    digits, monkeypatch
+    digits, monkeypatch, capability, policy
 ):
     """On a GPU `diagnose` times a mixed-precision twin; here the GPU is pretended (the twin
-    then runs on the CPU, where float16 may be slower: only that the float16 twin is what is
-    timed, and that everything is undone, is asserted)."""
-    _pretend_gpu(monkeypatch, compute_capability=(8, 0))
+    then runs on the CPU, where half precision may be slower: only that the device rule's twin
+    is what is timed, and that everything is undone, is asserted)."""
+    _pretend_gpu(monkeypatch, compute_capability=capability)
     seen = _record_fits(monkeypatch)
     (x, y), _ = digits
     _only(monkeypatch, "mixed precision")
     model = small_mlp()
     before = _variables(model)
-    # The float16 twin is a new model: on JAX its trace takes seconds of the budget.
+    # The half-precision twin is a new model: on JAX its trace takes seconds of the budget.
     d = kp.diagnose(model, x, y, batch_size=64, steps=8, max_seconds=15)
-    # The policy by device: float16 where the GPU has tensor cores (as kp.setup_mixed_precision
-    # ("auto") picks), on every backend.
-    mixed = [w for w in d.what_if if w["change"] == "mixed precision (mixed_float16)"]
+    # The policy by device, as kp.setup_mixed_precision("auto") picks it: float16 on 7.x GPUs,
+    # bfloat16 from Ampere (8.0) on, on every backend.
+    mixed = [w for w in d.what_if if w["change"] == f"mixed precision ({policy})"]
     assert mixed and mixed[0]["speedup"] > 0, (str(d), d.notes)
-    assert (
-        mixed[0]["how"] == "kp.setup_mixed_precision('mixed_float16')  # before building the model"
-    )
-    assert any(p == "mixed_float16" for p, _, _ in seen), seen  # the float16 twin was timed
+    assert mixed[0]["how"] == f"kp.setup_mixed_precision('{policy}')  # before building the model"
+    assert any(p == policy for p, _, _ in seen), seen  # that twin was timed
     assert keras.mixed_precision.global_policy().name == "float32"
     assert model.dtype_policy.name == "float32"
     for a, b in zip(before, _variables(model)):

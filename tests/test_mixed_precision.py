@@ -41,8 +41,17 @@ def test_explicit_policy_is_set(name):
     "devices, expected",
     [
         ([{"kind": "CPU", "compute_capability": None}], "float32"),
-        ([{"kind": "GPU", "compute_capability": (8, 0)}], "mixed_float16"),
+        ([{"kind": "GPU", "compute_capability": (8, 0)}], "mixed_bfloat16"),
+        ([{"kind": "GPU", "compute_capability": (9, 0)}], "mixed_bfloat16"),
+        ([{"kind": "GPU", "compute_capability": (7, 5)}], "mixed_float16"),
         ([{"kind": "GPU", "compute_capability": (7, 0)}], "mixed_float16"),
+        (
+            [
+                {"kind": "GPU", "compute_capability": (9, 0)},
+                {"kind": "GPU", "compute_capability": (7, 0)},
+            ],
+            "mixed_float16",
+        ),
         ([{"kind": "GPU", "compute_capability": (6, 1)}], "float32"),
         (
             [

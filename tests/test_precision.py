@@ -112,7 +112,8 @@ def test_slow_or_missing_bfloat16_kernels_pick_float32_without_measuring_steps(f
 @pytest.mark.parametrize(
     "devices, expected",
     [
-        ([{"kind": "GPU", "compute_capability": (8, 0)}], "mixed_float16"),
+        ([{"kind": "GPU", "compute_capability": (8, 0)}], "mixed_bfloat16"),
+        ([{"kind": "GPU", "compute_capability": (7, 0)}], "mixed_float16"),
         ([{"kind": "GPU", "compute_capability": (6, 1)}], "float32"),
         ([{"kind": "TPU", "compute_capability": None}], "mixed_bfloat16"),
     ],

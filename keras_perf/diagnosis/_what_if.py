@@ -250,7 +250,7 @@ def _mixed_precision(ctx, notes) -> Change | None:
             notes.append(f"mixed precision not offered on this CPU: {reason}.")
             return None
     else:
-        policy = auto_policy()  # float16 on GPUs with tensor cores, bfloat16 on TPUs
+        policy = auto_policy()  # the device rule: bfloat16 from Ampere on, float16 on 7.x
     if policy == "float32":
         notes.append(
             "mixed precision not offered: this GPU has no float16 tensor cores (compute "

@@ -17,6 +17,7 @@ import keras
 import numpy as np
 
 from keras_perf import backend as _backend
+from keras_perf._cpu import cpu_info
 from keras_perf._utils import ReadOnlyReport
 
 __all__ = ["precision_report", "PrecisionReport", "SPEEDUP_THRESHOLD", "slower_than_float32"]
@@ -82,20 +83,10 @@ def _fmt(value) -> str:
 
 def _cpu_info() -> dict:
     """The CPU's model name and half-precision flags from /proc/cpuinfo (Linux), else {}."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            text = f.read()
-    except OSError:
+    name, flags = cpu_info()
+    if name is None and not flags:
         return {}
-    info = {}
-    flags = set()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        key = key.strip()
-        if key == "model name" and "name" not in info:
-            info["name"] = value.strip()
-        elif key in ("flags", "Features") and not flags:
-            flags = set(value.split())
+    info = {} if name is None else {"name": name}
     info["half_precision_units"] = [f for f in _CPU_FLAGS if f in flags]
     return info
 

@@ -38,6 +38,7 @@ def export_onnx(
     representative_data=None,
     *,
     calibration_samples: int = 200,
+    reduce_range: bool | None = None,
 ) -> dict:
     """Export a Keras model to an ONNX file, optionally quantized (float16 or int8).
 
@@ -54,7 +55,11 @@ def export_onnx(
       model computes.
 
     An `"int8"` file in which a Conv, MatMul or Gemm stayed in float is refused (nothing is
-    written). The model's input names, in `model.inputs` order, are stored in the file's
+    written). On an x86-64 CPU without VNNI (`avx512_vnni`, `avx_vnni`, `amx_int8`) ONNX
+    Runtime's fused uint8 x int8 kernels add pairs of products in 16 bits and can saturate;
+    there `"dynamic"` and calibrated `"int8"` files get 7-bit weights (ORT's `reduce_range`, as
+    its docs advise) unless `reduce_range` says otherwise, and `onnx_predict` runs a full-range
+    int8 file (a quantization-aware model's) unfused, so it computes what the file says. The model's input names, in `model.inputs` order, are stored in the file's
     metadata, so that `onnx_predict` takes a list in that order.
 
     Args:
@@ -67,11 +72,16 @@ def export_onnx(
             iterable of samples, as `export_tflite` takes them. Defaults to `None`.
         calibration_samples: How many examples of an array `representative_data` to
             calibrate on (the first ones). Defaults to `200`.
+        reduce_range: Quantize weights to 7 bits (`"dynamic"`, calibrated `"int8"`): `True`,
+            `False`, or `None` for this CPU's answer (`True` on an x86-64 CPU without VNNI,
+            where 8-bit weights can saturate ONNX Runtime's int8 kernels). A
+            quantization-aware model keeps the bits it learned. Defaults to `None`.
 
     Returns:
-        A dict: `path`, `bytes` (file size), `quantization`, `inputs` and `outputs` (one dict
-        per tensor: `name`, `shape` with `None` for free dimensions, `dtype`) and
-        `input_order` (input names in `model.inputs` order).
+        A dict: `path`, `bytes` (file size), `quantization`, `reduce_range` (whether the
+        weights were quantized to 7 bits), `inputs` and `outputs` (one dict per tensor:
+        `name`, `shape` with `None` for free dimensions, `dtype`) and `input_order` (input
+        names in `model.inputs` order).
 
     Raises:
         ImportError: a package of the `onnx` extra is missing (named in the message).
@@ -94,6 +104,18 @@ def export_onnx(
     from keras_perf import quantization as _quantization
 
     qat = _quantization.is_quantized_model(model)
+    if reduce_range is not None and not isinstance(reduce_range, bool):
+        raise TypeError(f"`reduce_range` must be True, False or None; got {reduce_range!r}.")
+    if reduce_range is not None and quantization not in ("dynamic", "int8"):
+        raise ValueError(
+            f"`reduce_range` goes with quantization='dynamic' or 'int8'; got it with "
+            f"quantization={quantization!r}. Drop it."
+        )
+    if qat and reduce_range:
+        raise ValueError(
+            "`reduce_range=True` does not apply to a quantization-aware model: its weights keep "
+            "the bits it learned. Drop the argument."
+        )
     if qat and quantization != "int8":
         raise ValueError(
             "A quantization-aware model is exported with quantization='int8' (its learned "
@@ -134,6 +156,10 @@ def export_onnx(
             calibration = [a[:calibration_samples] for a in calibration]
         _check_calibration(model, calibration, specs)
     names = [name for name, _, _ in specs]
+    if reduce_range is None:
+        reduce_range = (
+            quantization in ("dynamic", "int8") and not qat and _onnx.int8_kernels_saturate()
+        )
 
     with tempfile.TemporaryDirectory() as tmp:
         graph = model
@@ -148,7 +174,7 @@ def export_onnx(
         if quantization is None:
             out = float_path
         elif quantization in ("float16", "dynamic"):
-            _onnx.quantize(float_path, out, quantization)
+            _onnx.quantize(float_path, out, quantization, reduce_range=reduce_range)
         else:
             prepared = os.path.join(tmp, "prepared.onnx")
             _onnx.pre_process(float_path, prepared)
@@ -157,10 +183,11 @@ def export_onnx(
                 ranges = _onnx_qat.learned_ranges(model, graph, prepared)
             else:
                 reader = _Reader(calibration, _file_inputs(prepared, names))
-            _onnx.quantize(prepared, out, "int8", reader, ranges, os.path.join(tmp, "ranges.json"))
+            cache = os.path.join(tmp, "ranges.json")
+            _onnx.quantize(prepared, out, "int8", reader, ranges, cache, reduce_range=reduce_range)
             _refuse_float(out, qat)
         _write(out, path, names)
-    return _report(path, quantization)
+    return {**_report(path, quantization), "reduce_range": bool(reduce_range)}
 
 
 def _call_once(model, specs):

@@ -229,6 +229,7 @@ def test_bare_import_registers_our_classes_for_load_model(saved_models, order):
         )
 
 
+@pytest.mark.slow  # child processes importing the backend
 def test_diagnose_command_loads_a_model_of_our_classes(saved_models):
     # `keras-perf diagnose MODEL.keras`: the command imports Keras only after parsing, and our
     # classes must be registered by then (a LossScaledModel here).
@@ -256,6 +257,7 @@ def test_diagnose_command_loads_a_model_of_our_classes(saved_models):
     assert isinstance(result, dict) and result, proc.stdout[-2000:]
 
 
+@pytest.mark.slow  # child processes importing the backend
 def test_python_m_keras_perf_doctor_hides_native_logs():
     # TensorFlow 2.21 logs "I0000 ... oneDNN custom operations are on", "cudart_stub.cc ...
     # Could not find cuda drivers" and "E0000 ... failed call to cuInit" through absl on import

@@ -17,6 +17,10 @@ import sys
 
 import pytest
 
+# Every scenario starts fresh processes with their own devices (minutes on 2 cores): the slow
+# tier.
+pytestmark = pytest.mark.slow
+
 WORKER = os.path.join(os.path.dirname(__file__), "_dist_worker.py")
 TIMEOUT = 420
 
@@ -134,7 +138,6 @@ def test_mirrored_skipped_step_keeps_batchnorm_statistics_on_every_replica(mirro
 
 
 @pytest.mark.backends("tensorflow")
-@pytest.mark.slow  # two worker processes: the slow tier
 def test_multi_worker_train_step_matches_one_device(mwms):
     assert sorted(r["task"] for r in mwms) == [0, 1]
     for r in mwms:
@@ -163,14 +166,12 @@ def test_mirrored_pruning_masks_identical_on_replicas(mirrored):
 
 
 @pytest.mark.backends("tensorflow")
-@pytest.mark.slow  # two worker processes: the slow tier
 def test_multi_worker_pruning_same_masks_on_both_workers(mwms):
     assert mwms[0]["pruning"]["sparsity"] == [0.5, 0.5]
     assert mwms[0]["pruning"]["mask_hash"] == mwms[1]["pruning"]["mask_hash"]
 
 
 @pytest.mark.backends("tensorflow")
-@pytest.mark.slow  # two worker processes: the slow tier
 def test_multi_worker_stopping_decisions_agree(mwms):
     # Worker 1 sleeps 2 s per epoch, so its own clock would stop it first; TimeLimit ORs the
     # decision over workers (a collective) so both stop after the same epoch and none hangs.
@@ -192,7 +193,6 @@ def test_mirrored_monitor_counts_global_examples(mirrored):
 
 
 @pytest.mark.backends("tensorflow")
-@pytest.mark.slow  # two worker processes: the slow tier
 def test_multi_worker_monitor_counts_global_examples(mwms):
     for r in mwms:
         assert r["monitor"] == {"examples": [64, 64], "steps": [4, 4]}
@@ -216,7 +216,6 @@ def test_jax_data_parallel_distillation_matches_one_device(jax_dp):
 
 
 @pytest.mark.backends("tensorflow")
-@pytest.mark.slow  # two worker processes: the slow tier
 def test_multi_worker_distillation_matches_one_device(mwms):
     for r in mwms:
         assert r["distill"]["student"] < 1e-5
@@ -262,7 +261,6 @@ def test_jax_data_parallel_oom_recovers(jax_dp):
 
 
 @pytest.mark.backends("tensorflow")
-@pytest.mark.slow  # two worker processes: the slow tier
 def test_multi_worker_oom_retry_refused_clearly(mwms):
     # An OOM on one worker cannot reach the others (they would wait in their collective), so
     # fit_with_oom_retry refuses to start, on both workers, in scope or not.

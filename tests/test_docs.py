@@ -34,6 +34,7 @@ def test_the_docs_have_runnable_snippets():
     assert len(readme) >= 7, [b.id for b in BLOCKS]
 
 
+@pytest.mark.slow  # minutes: each block imports and fits as pasted
 @pytest.mark.backends("tensorflow")
 @pytest.mark.parametrize("path,line,code", BLOCKS)
 def test_snippet_runs_as_pasted(path, line, code, tmp_path, monkeypatch):

@@ -111,6 +111,9 @@ def test_walk_finds_the_packages_modules():
     assert len(MODULES) > 40
 
 
+# Minutes per backend (each module's examples build and fit models): the slow tier, which CI
+# runs on TensorFlow (.ci/run); the examples are backend-neutral code.
+@pytest.mark.slow
 @pytest.mark.parametrize("name", MODULES)
 def test_examples(name, tmp_path, monkeypatch):
     if name in NEEDS:

@@ -87,6 +87,7 @@ def test_memory_cap_rows():
     assert report["plain"]["batch_size"] == 256
 
 
+@pytest.mark.slow  # a child process with the BFC allocator
 @pytest.mark.backends("tensorflow")
 def test_memory_cap_rows_tensorflow_with_bfc_allocator():
     # The BFC allocator must be chosen before TensorFlow is imported: a child process, which

@@ -474,6 +474,7 @@ def test_an_unfitted_qat_model_is_refused_before_a_file_is_written(exporter, tmp
     check_learned_ranges(qat, "TFLite's int8 export")
 
 
+@pytest.mark.slow  # TFLite conversions of an LSTM / a Transformer
 @pytest.mark.backends("tensorflow")
 def test_a_qat_bilstm_names_its_lstm_and_exports_with_select_tf_ops(tmp_path):
     """Regression: the converter's MLIR text was the whole error. The LSTM loop has no TFLite
@@ -495,6 +496,7 @@ def test_a_qat_bilstm_names_its_lstm_and_exports_with_select_tf_ops(tmp_path):
     assert path.stat().st_size == report["bytes"]
 
 
+@pytest.mark.slow  # TFLite conversions of an LSTM / a Transformer
 @pytest.mark.backends("tensorflow")
 def test_a_qat_transformer_is_refused_naming_the_layers_tflite_keeps_in_float(tmp_path):
     """Regression: "72 inner tensor(s) stayed float32 (encoder_1/ln2_1/Reshape, ...)". The

@@ -123,6 +123,7 @@ def test_microbatches_changeable_between_fits():
 _ACTIVATION_RATIO_FLOOR = {"tensorflow": 3.0, "jax": 3.0, "torch": 4.0}
 
 
+@pytest.mark.slow  # 12 models at batch 8192 in a child process: a benchmark's check
 def test_microbatches_cut_activation_memory():
     run = subprocess.run(
         [sys.executable, "-m", "benchmarks._memory", "--batches", "1024", "8192"]

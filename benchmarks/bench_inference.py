@@ -10,11 +10,17 @@ Claims (docs/export.md "ONNX", docs/BENCHMARKS.md "Inference"):
    target >= 3x (<= 0.33).
 3. Keras `predict_on_batch` against the float file (reference rows, no target; not in
    `--quick`, where the report's table gives Keras' latency).
-4. Accuracy on digits (1437 train / 360 held out) of an MLP 64-64-32-10 trained 20 epochs:
+4. Where TensorFlow is installed (every backend: TFLite files are converted in a TensorFlow
+   child process on JAX and torch): TFLite int8 (`kp.export_tflite(..., "int8",
+   int8_io=False)`, calibrated) against TFLite float, per call at batch 64 and 1 (reference
+   rows, no target), both on `os.cpu_count()` interpreter threads.
+5. Accuracy on digits (1437 train / 360 held out) of an MLP 64-64-32-10 trained 20 epochs:
    float, ONNX int8 (calibrated on 200 training images), ONNX int8 from `kp.quantize_aware`
    (fine-tuned 2 epochs; learned ranges). Target: int8 within 1 point of float (a ratio
-   >= 0.99 of float's accuracy).
-Without `--quick`, MobileNetV2 (alpha 0.35, 96x96, random weights, no download) is timed too.
+   >= 0.99 of float's accuracy). The report's table (every format, latency and accuracy on the
+   360 held-out images) is printed for the float MLP and for the QAT one.
+Without `--quick`, MobileNetV2 (alpha 0.35, 96x96, random weights, no download) is timed too
+(claims 1 and 4 without targets; Keras' latency only in the report's table).
 
 Timing: ONNX Runtime sessions with thread spinning off (`session.intra_op.allow_spinning =
 "0"`), all cores; each unit of work is a block of calls (10 at batch 1, 2 at batch 64);
@@ -38,6 +44,8 @@ import numpy as np
 
 import keras_perf as kp
 from keras_perf.backend import onnx as _onnx
+from keras_perf.backend import tflite as _tflite
+from keras_perf.export._inference_report import available_formats
 from keras_perf.export._onnx_predict import feeds
 
 from ._harness import digits, finish, mlp, parse_args, row, summarize, timed
@@ -88,6 +96,37 @@ def block(sess, x, calls):
     return run
 
 
+def tflite_block(content, x, calls):
+    """`calls` invocations of a float-in TFLite interpreter on `x` (tensors set once)."""
+    interp = _tflite.interpreter(content, num_threads=os.cpu_count(), allocate=False)
+    inp = interp.get_input_details()[0]
+    interp.resize_tensor_input(inp["index"], list(x.shape), strict=False)
+    interp.allocate_tensors()
+    interp.set_tensor(inp["index"], x.astype(inp["dtype"]))
+
+    def run():
+        for _ in range(calls):
+            interp.invoke()
+
+    return run
+
+
+def tflite_files(model, x, tmp, name):
+    """{"float": bytes, "int8": bytes} of `model`'s TFLite files, or {} without TensorFlow."""
+    if "tflite" not in available_formats(model):
+        return {}
+    files = {}
+    for tag, q in (("float", None), ("int8", "int8")):
+        path = os.path.join(tmp, f"{name}-{tag}.tflite")
+        try:
+            kp.export_tflite(model, path, q, representative_data=x if q else None, int8_io=False)
+        except ValueError as e:  # MobileNetV2 on JAX: the int8 file is refused (float tensors)
+            print(f"{name}: no TFLite rows, the {tag} export failed: {e}", flush=True)
+            return {}
+        files[tag] = open(path, "rb").read()
+    return files
+
+
 def abba_paused(baseline, candidate, repeats):
     """`_harness.abba` with a pause before each timed block (spinning threads settle)."""
     wall, cpu = [], []
@@ -101,6 +140,12 @@ def abba_paused(baseline, candidate, repeats):
     return summarize(wall, cpu)
 
 
+def add(rows, r):
+    """Append row `r` and print it at once (a run cut short keeps what it measured)."""
+    rows.append(r)
+    print("row:", r, flush=True)
+
+
 def speed_rows(name, model, small, repeats, tmp, shrunk=None, keras_rows=True):
     x = np.random.default_rng(0).random((64, *model.input_shape[1:]), dtype=np.float32)
     paths = {}
@@ -110,27 +155,29 @@ def speed_rows(name, model, small, repeats, tmp, shrunk=None, keras_rows=True):
         paths[tag] = os.path.join(tmp, f"{name}-{tag}.onnx")
         kp.export_onnx(m, paths[tag], q, representative_data=x if q else None)
     sess = {tag: _onnx.session(p, os.cpu_count()) for tag, p in paths.items()}
-    print(
-        kp.inference_report(
-            model,
-            x,
-            batch_sizes=(1, 64),
-            formats=["keras", "onnx", "onnx-int8"],
-            repeats=repeats,
-        )
-    )
+    tflite = tflite_files(model, x, tmp, name.split()[0])
+    formats = [f for f in available_formats(model) if tflite or not f.startswith("tflite")]
+    report = kp.inference_report(model, x, batch_sizes=(1, 64), formats=formats, repeats=repeats)
+    print(f"{name}:", report, flush=True)
     rows = []
     for b, calls, target in ((64, 2, "<= 0.67"), (1, 10, "<= 0.77")):
         xb = x[:b]
         for s in sess.values():  # warm-up
             s.run(None, feeds(s, xb))
         r = abba_paused(block(sess["float"], xb, calls), block(sess["int8"], xb, calls), repeats)
-        rows.append(row(f"{name}: ONNX int8 / ONNX float, batch {b}", r, target if small else "-"))
+        add(rows, row(f"{name}: ONNX int8 / ONNX float, batch {b}", r, target if small else "-"))
         if b == 64 and shrunk is not None:
             r = abba_paused(
                 block(sess["float"], xb, calls), block(sess["shrunk-int8"], xb, calls), repeats
             )
-            rows.append(row(f"{name}: shrink 50% + int8 / float ONNX, batch {b}", r, "<= 0.33"))
+            add(rows, row(f"{name}: shrink 50% + int8 / float ONNX, batch {b}", r, "<= 0.33"))
+        if tflite:
+            r = abba_paused(
+                tflite_block(tflite["float"], xb, calls),
+                tflite_block(tflite["int8"], xb, calls),
+                repeats,
+            )
+            add(rows, row(f"{name}: TFLite int8 / TFLite float, batch {b}", r, "-"))
         if not keras_rows:  # The report's table above has Keras' latency.
             continue
         n_keras = max(calls // 2, 1)
@@ -140,7 +187,7 @@ def speed_rows(name, model, small, repeats, tmp, shrunk=None, keras_rows=True):
 
         keras_call()
         r = abba_paused(keras_call, block(sess["float"], xb, n_keras), repeats)
-        rows.append(row(f"{name}: ONNX float / Keras predict_on_batch, batch {b}", r, "-"))
+        add(rows, row(f"{name}: ONNX float / Keras predict_on_batch, batch {b}", r, "-"))
     return rows
 
 
@@ -161,6 +208,12 @@ def accuracy_rows(tmp, quick):
     from_qat = acc(kp.onnx_predict(q, xv))
     note = f"float {base:.4f}, PTQ int8 {ptq:.4f}, QAT int8 {from_qat:.4f}"
     print("digits MLP accuracy:", note)
+    repeats = 3 if quick else 7
+    for tag, m in (("float", model), ("QAT", qat)):
+        report = kp.inference_report(
+            m, xv, yv, (1, 64), representative_data=x[:200], repeats=repeats
+        )
+        print(f"digits MLP ({tag}):", report)
     return [
         row(
             "digits MLP: ONNX int8 (PTQ) accuracy / float",
@@ -194,7 +247,9 @@ def main():
             mobile = keras.applications.MobileNetV2(
                 input_shape=(96, 96, 3), alpha=0.35, weights=None, classes=10
             )
-            rows += speed_rows("MobileNetV2 0.35 96x96", mobile, False, repeats, tmp)
+            # No Keras ratio rows: Keras on torch took 5 s per call at batch 1 under load (the
+            # report's table gives Keras' latency).
+            rows += speed_rows("MobileNetV2 0.35 96x96", mobile, False, repeats, tmp, None, False)
     print("load:", os.getloadavg())
     finish(rows, args)
 

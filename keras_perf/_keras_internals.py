@@ -34,9 +34,9 @@ from keras.src.losses.loss import scale_loss_for_distribution, unscale_loss_for_
 __all__ = [
     "accumulated_gradients",
     "added_losses",
+    "aggregate_additional_loss",
     "autocast_dtype",
     "autocast_scope",
-    "aggregate_additional_loss",
     "callback_model",
     "compiled_loss",
     "compute_output_spec",
@@ -46,15 +46,16 @@ __all__ = [
     "inbound_output_shapes",
     "input_structure",
     "is_functional",
+    "learning_rate_source",
     "loss_terms_replaced",
     "loss_tracker",
     "metric_direction",
     "optimizer_iterations",
     "output_structure",
-    "learning_rate_source",
+    "run_through_graph",
     "scale_loss_for_distribution",
-    "set_learning_rate_source",
     "set_initial_epoch",
+    "set_learning_rate_source",
     "symbolic_build",
     "unscale_loss_for_distribution",
 ]
@@ -121,6 +122,13 @@ def input_structure(model, default=None):
 def output_structure(model, default=None):
     """The nested output structure of a Functional model (`_outputs_struct`)."""
     return getattr(model, "_outputs_struct", default)
+
+
+def run_through_graph(model, inputs, call_fn):
+    """A Functional model's graph run on `inputs`, each operation called through
+    `call_fn(op, *args, **kwargs)` (`Functional._run_through_graph`, what its `call` uses): the
+    way to rebuild a graph with other layers in place of its own. Checked on Keras 3.15."""
+    return model._run_through_graph(inputs, call_fn=call_fn)
 
 
 def symbolic_build(model, data_batch) -> None:

@@ -162,6 +162,7 @@ LAYERS = {
     # The neutral ground floor: Keras, the standard library and each other only.
     "ground": (
         (
+            "keras_perf._cpu",
             "keras_perf._imports",
             "keras_perf._host_memory",
             "keras_perf._keras_internals",

@@ -93,10 +93,9 @@ def test_weight_modes_agree(trained, data, mode, tmp_path):
     report = kp.export_onnx(trained, tmp_path / "m.onnx", mode)
     out = kp.onnx_predict(report["path"], xv)
     keras_logits = trained.predict(xv, verbose=0)
-    # int8 weights with activations quantized per batch: 4 of 360 argmaxes moved on JAX on an
-    # AVX2-only CPU (with 7-bit weights or without), none on TF.
-    agree = {"float16": 0.99, "dynamic": 0.98}[mode]
-    assert (out.argmax(1) == keras_logits.argmax(1)).mean() >= agree
+    # "dynamic" flips 4 near-ties of 360 on JAX's model (0.9889 on an AVX2 EPYC, with or
+    # without ORT's graph optimizations, so no saturation): the logits' bound is the claim.
+    assert (out.argmax(1) == keras_logits.argmax(1)).mean() >= 0.98
     assert np.abs(out - keras_logits).max() < 0.1
 
 
@@ -123,6 +122,37 @@ def test_qat_file_has_the_learned_ranges(trained, data, tmp_path):
     step = (float(out_q.max.numpy()) - float(out_q.min.numpy())) / 255
     diff = np.abs(kp.onnx_predict(report["path"], xv) - qat.predict(xv, verbose=0))
     assert diff.max() <= 3 * step + 1e-6
+
+
+def int8_weights(proto) -> list[tuple[np.ndarray, int]]:
+    """(int8 weight, channel axis) of each DequantizeLinear reading an int8 initializer."""
+    inits = {i.name: onnx.numpy_helper.to_array(i) for i in proto.graph.initializer}
+    out = []
+    for n in proto.graph.node:
+        w = inits.get(n.input[0]) if n.op_type == "DequantizeLinear" else None
+        if w is not None and w.dtype == np.int8:
+            axis = next((a.i for a in n.attribute if a.name == "axis"), 1)
+            out.append((w, axis))
+    return out
+
+
+@pytest.mark.slow
+def test_qat_4bit_file_keeps_4bit_weights_and_the_keras_accuracy(trained, data, tmp_path):
+    (x, y), (xv, yv) = data
+    qat = kp.quantize_aware(trained, weight_bits=4)
+    qat.compile(keras.optimizers.Adam(3e-4), LOSS)
+    qat.fit(x, y, epochs=2, batch_size=32, verbose=0)
+    report = kp.export_onnx(qat, tmp_path / "qat4.onnx", "int8")
+    weights = int8_weights(onnx.load(report["path"]))
+    assert len(weights) == 3  # conv (BatchNormalization folded in), dense, dense
+    for w, axis in weights:
+        # int8 in [-64, 64] (ORT's reduce_range), and per output channel at most the 15
+        # levels of a 4-bit kernel (the file re-rounds them to its 7-bit grid).
+        assert np.abs(w).max() <= 64
+        levels = [len(np.unique(c)) for c in np.moveaxis(w, axis, 0)]
+        assert max(levels) <= 15, levels
+    keras_acc = accuracy(qat.predict(xv, verbose=0), yv)
+    assert abs(accuracy(kp.onnx_predict(report["path"], xv), yv) - keras_acc) <= 0.01
 
 
 def test_qat_argument_errors(trained, data, tmp_path):
@@ -300,6 +330,56 @@ def test_qat_sequential_with_softmax(tmp_path):
         kp.export_onnx(kp.quantize_aware(model, activation_bits=16), tmp_path / "a.onnx", "int8")
 
 
+def nested_model():
+    """Conv, then a nested Sequential and a nested Functional model (digits images)."""
+    keras.utils.set_random_seed(0)
+    body = keras.Sequential(
+        [keras.Input((64,)), keras.layers.Dense(32, activation="relu", name="body_dense")],
+        name="body",
+    )
+    head_in = keras.Input((32,))
+    head = keras.Model(head_in, keras.layers.Dense(10, name="head_dense")(head_in), name="head")
+    inp = keras.Input((8, 8, 1), name="image")
+    h = keras.layers.Conv2D(4, 3, padding="same", activation="relu", name="conv")(inp)
+    h = keras.layers.Flatten()(keras.layers.MaxPooling2D()(h))
+    return keras.Model(inp, head(body(h)))
+
+
+def test_qat_with_nested_models_exports_its_learned_ranges(data, tmp_path):
+    (x, _), (xv, _) = data
+    model = nested_model()
+    qat = kp.quantize_aware(model)
+    qat(x[:512], training=True)
+    inner = qat.get_layer("body").get_layer("body_dense")
+    report = kp.export_onnx(qat, tmp_path / "nested.onnx", "int8")
+    proto = onnx.load(report["path"])
+    assert _onnx.float_ops(proto) == []
+    params = _onnx.quantization_params(proto)
+    # The quantizers inside the nested models are in the file, with their learned ranges.
+    for name in ("body_dense_quant", "head_dense_quant"):
+        q = qat.get_layer(name.split("_")[0]).get_layer(name)
+        scale = (float(q.max.numpy()) - float(q.min.numpy())) / 255
+        assert any(np.isclose(float(s), scale, rtol=1e-6) for s, _ in params.values()), name
+    out_q = qat.get_layer("head").get_layer("head_dense_quant")
+    step = (float(out_q.max.numpy()) - float(out_q.min.numpy())) / 255
+    diff = np.abs(kp.onnx_predict(report["path"], xv) - qat.predict(xv, verbose=0))
+    assert diff.max() <= 3 * step + 1e-6
+    assert inner.output is not None  # the user's nested layers were not called again
+
+
+def test_qat_with_a_nested_model_called_twice_is_refused(tmp_path):
+    body = keras.Sequential(
+        [keras.Input((16,)), keras.layers.Dense(16, activation="relu")], name="body"
+    )
+    inp = keras.Input((16,))
+    model = keras.Model(inp, keras.layers.Dense(10)(body(body(inp))))
+    qat = kp.quantize_aware(model)
+    qat(np.random.default_rng(0).random((64, 16), dtype=np.float32), training=True)
+    with pytest.raises(ValueError, match="nested model 'body'.*called more than once"):
+        kp.export_onnx(qat, tmp_path / "q.onnx", "int8")
+    assert not (tmp_path / "q.onnx").exists()
+
+
 @pytest.mark.skipif(BACKEND != "tensorflow", reason="TFLite on JAX/torch: a TF child process")
 def test_inference_report_with_tflite(trained, data):
     _, (xv, yv) = data
@@ -373,40 +453,39 @@ def test_int8_saturation_follows_the_cpu(monkeypatch):
     assert not _onnx.int8_kernels_saturate()
 
 
-def test_reduce_range_on_a_cpu_whose_int8_kernels_saturate(
-    trained, files, data, monkeypatch, tmp_path
+def test_int8_weights_in_7_bits_and_full_range_files_run_unfused_where_they_saturate(
+    trained, data, monkeypatch, tmp_path
 ):
     """Without VNNI, ORT's fused u8s8 kernels add pairs of products in 16 bits: on an AVX2-only
     CPU a digits CNN's full-range int8 file agreed with the float file on 93 % of argmaxes.
-    There calibrated files get 7-bit weights, and full-range files run unfused."""
+    "int8" files get 7-bit weights by default; a full-range file runs unfused there."""
     import onnxruntime as ort
 
     (x, _), (xv, _) = data
-    _pretend_cpu(monkeypatch, {"avx2"})
-    auto = kp.export_onnx(trained, tmp_path / "auto.onnx", "int8", representative_data=x)
+    seven = kp.export_onnx(trained, tmp_path / "seven.onnx", "int8", representative_data=x)
     full = kp.export_onnx(
         trained, tmp_path / "full.onnx", "int8", representative_data=x, reduce_range=False
     )
-    assert auto["reduce_range"] and not full["reduce_range"]
-    assert not _onnx.saturating_int8_weights(onnx.load(auto["path"]))
+    assert seven["reduce_range"] and not full["reduce_range"]
+    assert not _onnx.saturating_int8_weights(onnx.load(seven["path"]))
     assert _onnx.saturating_int8_weights(onnx.load(full["path"]))
+    assert not kp.export_onnx(trained, tmp_path / "dyn.onnx", "dynamic")["reduce_range"]
+
+    def level(path):
+        return _onnx.session(path).get_session_options().graph_optimization_level
+
     basic = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    level = {
-        name: _onnx.session(r["path"]).get_session_options().graph_optimization_level
-        for name, r in (("auto", auto), ("full", full))
-    }
-    assert level["full"] == basic and level["auto"] != basic
+    _pretend_cpu(monkeypatch, {"avx2"})
+    assert level(full["path"]) == basic and level(seven["path"]) != basic
     # Unfused, the full-range file computes what it says: as ORT's reference level does.
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     ref = ort.InferenceSession(full["path"], options, providers=["CPUExecutionProvider"])
     want = ref.run(None, {ref.get_inputs()[0].name: xv})[0]
     np.testing.assert_allclose(kp.onnx_predict(full["path"], xv), want, atol=1e-5)
-    # With VNNI, 8-bit weights are kept and the file runs fused.
+    # With VNNI the full-range file runs fused.
     _pretend_cpu(monkeypatch, {"avx2", "avx512_vnni"})
-    assert not _onnx.saturating_int8_weights(onnx.load(files["int8"]["path"])) or (
-        _onnx.session(files["int8"]["path"]).get_session_options().graph_optimization_level != basic
-    )
+    assert level(full["path"]) != basic
 
 
 def test_reduce_range_argument_errors(trained, data, tmp_path):
@@ -415,8 +494,4 @@ def test_reduce_range_argument_errors(trained, data, tmp_path):
         kp.export_onnx(trained, tmp_path / "m.onnx", "int8", representative_data=x, reduce_range=1)
     with pytest.raises(ValueError, match="`reduce_range` goes with quantization='dynamic' or"):
         kp.export_onnx(trained, tmp_path / "m.onnx", reduce_range=True)
-    qat = kp.quantize_aware(trained)
-    qat(x[:64], training=True)
-    with pytest.raises(ValueError, match="keep the bits it learned"):
-        kp.export_onnx(qat, tmp_path / "m.onnx", "int8", reduce_range=True)
     assert not (tmp_path / "m.onnx").exists()

@@ -19,8 +19,8 @@ What stays hand-written, and why:
   Runtime's fused uint8 x int8 kernels add pairs of products in 16 bits (VPMADDUBSW), which
   saturates when weights use the full int8 range (ORT's quantization docs; measured here on an
   AVX2-only AMD EPYC: a digits CNN's int8 file agreed with the float file on 93 % of argmaxes
-  fused, 99.7 % unfused). Calibrated files are quantized with ORT's `reduce_range` (7-bit
-  weights) there, and a session on such a CPU runs a full-range file unfused.
+  fused, 99.7 % unfused). `export_onnx` writes "int8" files with 7-bit weights by default
+  (ORT's `reduce_range`), and a session on such a CPU runs a full-range file unfused.
 """
 
 from __future__ import annotations
@@ -320,7 +320,7 @@ def quantize(
     (`quantize_static`, QDQ, per-channel int8 weights, uint8 activations), calibrated by
     `reader` or, with `ranges` ({tensor name: (min, max)}, learned by a QAT model), from
     those ranges written as ORT's calibration cache (ORT's `TensorsData`), so no data runs.
-    `reduce_range`: 7-bit weights, for CPUs whose int8 kernels saturate.
+    `reduce_range`: weights in [-64, 64] (7 bits), which no CPU's int8 kernels saturate.
     """
     from onnxruntime import quantization as q
 

@@ -55,11 +55,11 @@ def export_onnx(
       model computes.
 
     An `"int8"` file in which a Conv, MatMul or Gemm stayed in float is refused (nothing is
-    written). On an x86-64 CPU without VNNI (`avx512_vnni`, `avx_vnni`, `amx_int8`) ONNX
-    Runtime's fused uint8 x int8 kernels add pairs of products in 16 bits and can saturate;
-    there `"dynamic"` and calibrated `"int8"` files get 7-bit weights (ORT's `reduce_range`, as
-    its docs advise) unless `reduce_range` says otherwise, and `onnx_predict` runs a full-range
-    int8 file (a quantization-aware model's) unfused, so it computes what the file says. The model's input names, in `model.inputs` order, are stored in the file's
+    written). `"int8"` weights are stored in `[-64, 64]` (7 bits, ORT's `reduce_range`): on an
+    x86-64 CPU without VNNI (`avx512_vnni`, `avx_vnni`, `amx_int8`) ONNX Runtime's fused
+    uint8 x int8 kernels add pairs of products in 16 bits, which full-range weights saturate;
+    the file then runs right on any CPU. `reduce_range=False` keeps 8-bit weights for a target
+    with VNNI or ARM; `onnx_predict` runs such a file unfused on a CPU that would saturate. The model's input names, in `model.inputs` order, are stored in the file's
     metadata, so that `onnx_predict` takes a list in that order.
 
     Args:
@@ -72,10 +72,11 @@ def export_onnx(
             iterable of samples, as `export_tflite` takes them. Defaults to `None`.
         calibration_samples: How many examples of an array `representative_data` to
             calibrate on (the first ones). Defaults to `200`.
-        reduce_range: Quantize weights to 7 bits (`"dynamic"`, calibrated `"int8"`): `True`,
-            `False`, or `None` for this CPU's answer (`True` on an x86-64 CPU without VNNI,
-            where 8-bit weights can saturate ONNX Runtime's int8 kernels). A
-            quantization-aware model keeps the bits it learned. Defaults to `None`.
+        reduce_range: Store int8 weights in 7 bits (`[-64, 64]`) with `"int8"` or
+            `"dynamic"`: `True`, `False`, or `None` for `True` with `"int8"` (calibrated or a
+            quantization-aware model's; weights learned in fewer than 8 bits keep their
+            levels) and `False` with `"dynamic"` (whose kernels do not saturate). Defaults to
+            `None`.
 
     Returns:
         A dict: `path`, `bytes` (file size), `quantization`, `reduce_range` (whether the
@@ -110,11 +111,6 @@ def export_onnx(
         raise ValueError(
             f"`reduce_range` goes with quantization='dynamic' or 'int8'; got it with "
             f"quantization={quantization!r}. Drop it."
-        )
-    if qat and reduce_range:
-        raise ValueError(
-            "`reduce_range=True` does not apply to a quantization-aware model: its weights keep "
-            "the bits it learned. Drop the argument."
         )
     if qat and quantization != "int8":
         raise ValueError(
@@ -157,9 +153,7 @@ def export_onnx(
         _check_calibration(model, calibration, specs)
     names = [name for name, _, _ in specs]
     if reduce_range is None:
-        reduce_range = (
-            quantization in ("dynamic", "int8") and not qat and _onnx.int8_kernels_saturate()
-        )
+        reduce_range = quantization == "int8"
 
     with tempfile.TemporaryDirectory() as tmp:
         graph = model

@@ -8,6 +8,9 @@ has the same int8 integers: each channel's scale is multiplied by the same facto
 (torch.onnx rejects the QAT model itself: its narrow weight range (-127, 127) is not one
 ONNX's fake-quant export allows).
 
+A QAT model with nested Sequential/Functional models is first `flatten`ed (inlined into one
+graph of copies of its layers), so that every quantizer has a tensor of the exported graph.
+
 `learned_ranges` finds which tensors of the exported (pre-processed) graph the quantizers sat
 on: the exporters name tensors their own way, so the copy and the graph are both run once on
 a probe batch (random, inside the input's learned range; it is not calibration: no range is
@@ -23,6 +26,7 @@ from __future__ import annotations
 import keras
 import numpy as np
 
+from keras_perf import _keras_internals as keras_internals
 from keras_perf._utils import iter_layers
 from keras_perf.backend import onnx as _onnx
 from keras_perf.quantization._layers import QUANTIZED_CLASSES, QuantizedKernelMixin
@@ -54,14 +58,8 @@ def _quantizers(model) -> list:
 
 def float_copy(qat) -> keras.Model:
     """The QAT model with float layers, fake-quantized kernels and identity quantizers."""
-    for layer in qat.layers:
-        if isinstance(layer, keras.Model):
-            raise ValueError(
-                f"export_onnx does not export a quantization-aware model with a nested model "
-                f"({layer.name!r}) yet; apply `quantize_aware` to a flat Functional or "
-                "Sequential model."
-            )
     check_learned_ranges(qat, "The ONNX int8 export")
+    qat = flatten(qat)
     folds = _batch_norm_folds(qat)  # BatchNormalization name -> kernel layer
     folded = {id(k) for k in folds.values()}
 
@@ -99,6 +97,68 @@ def float_copy(qat) -> keras.Model:
         else:
             new.set_weights(old.get_weights())
     return copy
+
+
+def flatten(model) -> keras.Model:
+    """`model` with its nested Sequential/Functional models inlined: one Functional graph of
+    fresh copies of the layers (same configs and weights), or `model` itself when nothing is
+    nested. The quantizers inside a nested model then have tensors of the outer graph, which
+    `learned_ranges` probes; the user's model and its layers are left untouched."""
+    nested = [layer for layer in model.layers if isinstance(layer, keras.Model)]
+    if not nested:
+        return model
+    fresh: dict[int, keras.Operation] = {}
+    pairs = []
+    used: dict[int, int] = {}
+
+    def copy_of(op):
+        if id(op) not in fresh:
+            new = type(op).from_config(op.get_config())
+            fresh[id(op)] = new
+            if isinstance(op, keras.layers.Layer):
+                pairs.append((op, new))
+        return fresh[id(op)]
+
+    def call(op, *args, **kwargs):
+        if not isinstance(op, keras.Model):
+            return copy_of(op)(*args, **kwargs)
+        used[id(op)] = used.get(id(op), 0) + 1
+        if used[id(op)] > 1:
+            raise ValueError(
+                f"export_onnx cannot inline the nested model {op.name!r} of this "
+                "quantization-aware model: it is called more than once (its quantizers would "
+                "have one range for several tensors). Build the model with one copy of the "
+                f"sub-model per call, or export the float model with quantization='dynamic'."
+            )
+        return run(op, args[0] if len(args) == 1 else list(args))  # training/mask: inference
+
+    def run(graph, inputs):
+        if isinstance(graph, keras.Sequential):
+            x = inputs
+            for layer in graph.layers:
+                if not isinstance(layer, keras.layers.InputLayer):
+                    x = call(layer, x)
+            return x
+        return keras_internals.run_through_graph(graph, inputs, call)
+
+    inputs = keras.tree.map_structure(
+        lambda t: keras.Input(batch_shape=t.shape, dtype=t.dtype, name=t.name),
+        model.inputs[0] if isinstance(model, keras.Sequential) else model.input,
+    )
+    try:
+        flat = keras.Model(inputs, run(model, inputs), name=model.name)
+    except ValueError as e:
+        if "unique" not in str(e):
+            raise
+        raise ValueError(
+            "export_onnx inlines the nested models of a quantization-aware model, and a layer "
+            f"name is then used twice ({e}). Give the layers of the nested models names "
+            "unique across the whole model (`name=` when building it), then apply "
+            "`quantize_aware` again."
+        ) from e
+    for old, new in pairs:
+        new.set_weights(old.get_weights())
+    return flat
 
 
 def _batch_norm_folds(qat) -> dict:

@@ -332,7 +332,7 @@ def test_memory_bound_batch_is_micro_batched_and_rematerialised_instead(digits, 
     model = small_mlp()
     before = _variables(model)
     # Two new models to trace (seconds each on JAX).
-    d = kp.diagnose(model, x, y, batch_size=32, steps=8, max_seconds=30 if JAX else 10)
+    d = kp.diagnose(model, x, y, batch_size=32, steps=8, max_seconds=45 if JAX else 12)
     changes = {w["change"]: w for w in d.what_if}
     assert "batch_size=64" not in changes, str(d)
     micro = changes.get("batch_size=64, micro-batched (microbatches=2)")
@@ -363,7 +363,7 @@ def test_memory_bound_batch_is_micro_batched_and_rematerialised_instead(digits, 
 SCE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 JAX = BACKEND == "jax"
 # Two new models to trace per diagnosis, each also compiled once more on JAX to measure it.
-CAP_SECONDS = 45 if JAX else 25
+CAP_SECONDS = 60 if JAX else 25
 
 
 def _memory_mlp():
@@ -408,13 +408,16 @@ def _what_ifs_only(*prefixes):
 
 def _consistent_with_cap(d, names, cap):
     """Each memory what-if of `names` is either timed with its measured peak within `cap`, or
-    not timed with a note giving its peak above it."""
+    not timed with a note giving its peak above it. The first (remat: the model has a
+    BatchNormalization) is tried first; the second may find the budget spent on a busy
+    machine (a note says so)."""
     rows = {w["change"]: w for w in d.what_if}
-    for name in names:
+    for i, name in enumerate(names):
         if name in rows:
             assert rows[name]["peak_bytes"] <= cap and rows[name]["speedup"] > 0, (name, str(d))
-        else:
-            assert any(n.startswith(f"{name} peaks at") for n in d.notes), (name, d.notes)
+            continue
+        allowed = (f"{name} peaks at",) + ((f"{name} not measured: the time",) if i else ())
+        assert any(n.startswith(allowed) for n in d.notes), (name, d.notes)
     return rows
 
 

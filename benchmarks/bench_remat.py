@@ -22,6 +22,7 @@ Targets: activation memory >= 2x lower at <= 1.4x step time on the MLP and the T
 ResNet50 as measured.
 
 Run: python -m benchmarks.bench_remat [--quick] [--json PATH] [--models mlp,transformer,resnet50]
+[--batches B1,B2]
 """
 
 from __future__ import annotations
@@ -80,7 +81,19 @@ def parse_args() -> argparse.Namespace:
     p.add_argument(
         "--models", default=",".join(MODELS), help="comma-separated: " + ",".join(MODELS)
     )
+    p.add_argument(
+        "--batches",
+        help="the two batch sizes of the memory count, e.g. 1024,2048 (the step is timed at the "
+        "second); default: each model's own",
+    )
     args = p.parse_args()
+    if args.batches is not None:
+        try:
+            args.batches = tuple(int(b) for b in args.batches.split(","))
+        except ValueError:
+            args.batches = ()
+        if len(args.batches) != 2 or not 0 < args.batches[0] < args.batches[1]:
+            p.error("--batches: two increasing positive sizes, e.g. 1024,2048")
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     bad = sorted(set(args.models) - set(MODELS))
     if bad or not args.models:
@@ -139,7 +152,7 @@ def main() -> None:
     rows = []
     for key in args.models:
         build, sizes, name = MODELS[key]
-        batches = tuple(b // scale for b in sizes)
+        batches = args.batches or tuple(b // scale for b in sizes)
         tf_models = 1 if args.quick else 3
         (plain, plain_counts), (full, full_counts) = (
             memory(build, None, batches, tf_models),

@@ -332,7 +332,7 @@ def test_memory_bound_batch_is_micro_batched_and_rematerialised_instead(digits, 
     model = small_mlp()
     before = _variables(model)
     # Two new models to trace (seconds each on JAX).
-    d = kp.diagnose(model, x, y, batch_size=32, steps=8, max_seconds=45 if JAX else 12)
+    d = kp.diagnose(model, x, y, batch_size=32, steps=8, max_seconds=45 if JAX else 20)
     changes = {w["change"]: w for w in d.what_if}
     assert "batch_size=64" not in changes, str(d)
     micro = changes.get("batch_size=64, micro-batched (microbatches=2)")

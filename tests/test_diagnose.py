@@ -6,6 +6,9 @@ depend on machine load.
 """
 
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -16,6 +19,8 @@ from conftest import BACKEND
 
 import keras_perf as kp
 from keras_perf import cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The slow tier (each case times real fits for seconds): `.ci/run` runs it on every backend.
 # Its verdicts come from wall-time measurements: `.ci/run` runs it alone (`-m timing -n 0`), as
@@ -211,7 +216,8 @@ def _only(monkeypatch, *prefixes):
 
 
 def _record_fits(monkeypatch):
-    """The models `diagnose`'s timed fits ran on: (dtype policy, microbatches, batch_size)."""
+    """The models `diagnose`'s timed fits ran on: (dtype policy, microbatches, remat,
+    batch_size)."""
     from keras_perf.diagnosis import _measure
 
     seen, fit_steps = [], _measure.fit_steps
@@ -221,6 +227,7 @@ def _record_fits(monkeypatch):
             (
                 model.dtype_policy.name,
                 getattr(model, "microbatches", None),
+                getattr(model, "remat", None),
                 kwargs.get("batch_size"),
             )
         )
@@ -252,7 +259,7 @@ def test_mixed_precision_what_if_on_an_accelerator_leaves_the_policy_and_model_a
     mixed = [w for w in d.what_if if w["change"] == f"mixed precision ({policy})"]
     assert mixed and mixed[0]["speedup"] > 0, (str(d), d.notes)
     assert mixed[0]["how"] == f"kp.setup_mixed_precision('{policy}')  # before building the model"
-    assert any(p == policy for p, _, _ in seen), seen  # that twin was timed
+    assert any(p == policy for p, *_ in seen), seen  # that twin was timed
     assert keras.mixed_precision.global_policy().name == "float32"
     assert model.dtype_policy.name == "float32"
     for a, b in zip(before, _variables(model)):
@@ -287,7 +294,7 @@ def test_mixed_precision_on_a_cpu_follows_the_report_or_its_bfloat16_units(digit
     d = kp.diagnose(model, x, y, batch_size=64, steps=8, max_seconds=25)
     mixed = [w for w in d.what_if if w["change"] == "mixed precision (mixed_bfloat16)"]
     assert mixed and mixed[0]["speedup"] > 0, (str(d), d.notes)
-    assert any(p == "mixed_bfloat16" for p, _, _ in seen), seen  # the bfloat16 twin was timed
+    assert any(p == "mixed_bfloat16" for p, *_ in seen), seen  # the bfloat16 twin was timed
     assert keras.mixed_precision.global_policy().name == "float32"
     assert model.dtype_policy.name == "float32"
     for a, b in zip(before, _variables(model)):
@@ -312,9 +319,9 @@ def test_mixed_precision_on_a_cpu_follows_the_report_or_its_bfloat16_units(digit
     assert any("precision_report() measured it: kernels 1.05x" in n for n in d.notes), d.notes
 
 
-def test_memory_bound_batch_is_micro_batched_instead(digits, monkeypatch):
+def test_memory_bound_batch_is_micro_batched_and_rematerialised_instead(digits, monkeypatch):
     """Where twice the peak memory does not fit, the larger batch is timed in slices of the
-    current one (kp.loss_scaled's micro-batching), not as it is."""
+    current one (kp.loss_scaled's micro-batching) and whole with remat="full", not as it is."""
     from keras_perf import backend as _backend
 
     _pretend_gpu(monkeypatch, compute_capability=(6, 1), memory_bytes=2**30, peak=2**29 + 1)
@@ -324,7 +331,8 @@ def test_memory_bound_batch_is_micro_batched_instead(digits, monkeypatch):
     _only(monkeypatch, "batch_size", "mixed precision")
     model = small_mlp()
     before = _variables(model)
-    d = kp.diagnose(model, x, y, batch_size=32, steps=8, max_seconds=8)
+    # Two new models to trace (seconds each on JAX).
+    d = kp.diagnose(model, x, y, batch_size=32, steps=8, max_seconds=45 if JAX else 20)
     changes = {w["change"]: w for w in d.what_if}
     assert "batch_size=64" not in changes, str(d)
     micro = changes.get("batch_size=64, micro-batched (microbatches=2)")
@@ -332,7 +340,16 @@ def test_memory_bound_batch_is_micro_batched_instead(digits, monkeypatch):
     assert micro["how"].startswith(
         "model = kp.loss_scaled(model, microbatches=2); model.fit(..., batch_size=64)"
     )
-    assert ("float32", 2, 64) in seen, seen  # two slices of 32 per step, timed
+    remat = changes.get('batch_size=64, remat="full"')
+    assert remat is not None and remat["speedup"] > 0, (str(d), d.notes)
+    assert remat["how"].startswith(
+        'model = kp.loss_scaled(model, remat="full"); model.fit(..., batch_size=64)  # '
+    )
+    assert ("float32", 2, None, 64) in seen, seen  # two slices of 32 per step, timed
+    assert ("float32", 1, "full", 64) in seen, seen  # the whole batch, recomputed, timed
+    # On an accelerator each has its step's peak, where the baseline's could be measured.
+    measured = d.step_memory is not None
+    assert (micro["peak_bytes"] is not None) == (remat["peak_bytes"] is not None) == measured
     assert any("memory is the limit" in n for n in d.notes), d.notes
     # A GPU without float16 tensor cores (compute capability 6.1) is offered no mixed precision.
     assert not [w for w in d.what_if if w["change"].startswith("mixed precision")], str(d)
@@ -340,6 +357,180 @@ def test_memory_bound_batch_is_micro_batched_instead(digits, monkeypatch):
     assert not isinstance(model, kp.LossScaleTrainStep)
     for a, b in zip(before, _variables(model)):
         np.testing.assert_array_equal(a, b)
+
+
+# -- peak step memory, and a memory cap (`memory_limit_bytes`) -------------------------------
+SCE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+JAX = BACKEND == "jax"
+# Two new models to trace per diagnosis, each also compiled once more on JAX to measure it.
+CAP_SECONDS = 60 if JAX else 25
+
+
+def _memory_mlp():
+    """A narrow deep gelu MLP with a BatchNormalization: its memory is in activations (remat
+    keeps each Dense's input, not its pre-activation), and micro-batching changes what the
+    normalisation sees."""
+    keras.utils.set_random_seed(0)
+    layers = [keras.layers.Dense(64, activation="gelu") for _ in range(4)]
+    model = keras.Sequential(
+        [keras.Input((64,)), *layers, keras.layers.BatchNormalization(), keras.layers.Dense(10)]
+    )
+    model.compile("adam", SCE)
+    return model
+
+
+def _peak_alone(model, x, y, size, **settings):
+    """The step peak of `model` (a clone behind kp.loss_scaled with `settings`) at `size`
+    examples, measured on its own as diagnose measures each what-if."""
+    from keras_perf.diagnosis import _measure
+
+    clone = keras.models.clone_model(model)
+    clone.set_weights(model.get_weights())
+    clone.compile("adam", SCE)
+    if settings:
+        clone = kp.loss_scaled(clone, **settings)
+    return _measure.step_peak(clone, (x[:size], y[:size], None))["peak_bytes"]
+
+
+def _what_ifs_only(*prefixes):
+    """As `_only`, without pytest's monkeypatch (for the TensorFlow child process)."""
+    from keras_perf.diagnosis import _what_if
+
+    candidates = _what_if.candidates
+
+    def some(ctx):
+        changes, notes = candidates(ctx)
+        return [c for c in changes if c.change.startswith(prefixes)], notes
+
+    _what_if.candidates = some
+    return lambda: setattr(_what_if, "candidates", candidates)
+
+
+def _consistent_with_cap(d, names, cap):
+    """Each memory what-if of `names` is either timed with its measured peak within `cap`, or
+    not timed with a note giving its peak above it. The first (remat: the model has a
+    BatchNormalization) is tried first; the second may find the budget spent on a busy
+    machine (a note says so)."""
+    rows = {w["change"]: w for w in d.what_if}
+    for i, name in enumerate(names):
+        if name in rows:
+            assert rows[name]["peak_bytes"] <= cap and rows[name]["speedup"] > 0, (name, str(d))
+            continue
+        allowed = (f"{name} peaks at",) + ((f"{name} not measured: the time",) if i else ())
+        assert any(n.startswith(allowed) for n in d.notes), (name, d.notes)
+    return rows
+
+
+def check_memory_cap_what_ifs(x, y, exact=True):
+    """The cap's two cases on `_memory_mlp` at batch 128: the step above the cap (remat and
+    micro-batches at the same batch), then twice the batch above it (both at 256). With
+    `exact` (JAX, torch: deterministic measures), every peak reported equals that what-if's
+    peak measured on its own. Returns the two diagnoses."""
+    model = _memory_mlp()
+    before = _variables(model)
+    B = 128
+    plain = _peak_alone(model, x, y, B)
+    remat = _peak_alone(model, x, y, B, remat="full")
+    assert remat < plain, (remat, plain)  # the gelu pre-activations are not kept
+    undo = _what_ifs_only("batch_size")
+    try:
+        cap = (plain + remat) // 2  # the step does not fit under it; with remat it does
+        over = kp.diagnose(
+            model, x, y, batch_size=B, steps=4, max_seconds=CAP_SECONDS, memory_limit_bytes=cap
+        )
+        # Twice the batch does not fit; the current one does.
+        wide = 3 * plain // 2
+        doubled = kp.diagnose(
+            model, x, y, batch_size=B, steps=4, max_seconds=CAP_SECONDS, memory_limit_bytes=wide
+        )
+    finally:
+        undo()
+    names = ['batch_size=128, remat="full"', "batch_size=128, micro-batched (microbatches=2)"]
+    rows = _consistent_with_cap(over, names, cap)
+    assert over.step_memory["batch_size"] == B and over.step_memory["peak_bytes"] > cap
+    assert any("above memory_limit_bytes" in n and "at batch 128" in n for n in over.notes)
+    assert not [w for w in over.what_if if w["change"].startswith("batch_size=256")], str(over)
+    assert names[0] in rows, (str(over), over.notes)  # remat brings this step under the cap
+    assert rows[names[0]]["how"].startswith('model = kp.loss_scaled(model, remat="full")  # ')
+    if names[1] in rows:  # BatchNormalization sees halves of the batch: the line says so
+        assert "BatchNormalization normalises each slice of 64" in rows[names[1]]["how"]
+    if exact:
+        assert over.step_memory["peak_bytes"] == plain
+        assert rows[names[0]]["peak_bytes"] == remat
+    assert over.memory_limit_bytes == cap and "memory limit:" in str(over)
+
+    names = ['batch_size=256, remat="full"', "batch_size=256, micro-batched (microbatches=2)"]
+    rows = _consistent_with_cap(doubled, names, wide)
+    assert "batch_size=256" not in rows, str(doubled)
+    assert any("batch_size=256 not tried as it is: memory is the limit" in n for n in doubled.notes)
+    assert rows, (str(doubled), doubled.notes)  # one of the two fits 256 under 1.5x the peak
+    if exact:
+        if names[0] in rows:
+            assert rows[names[0]]["peak_bytes"] == _peak_alone(model, x, y, 256, remat="full")
+        if names[1] in rows:
+            expected = _peak_alone(model, x, y, 256, microbatches=2)
+            assert rows[names[1]]["peak_bytes"] == expected
+    assert "peak step memory:" in str(doubled)
+    json.dumps(doubled.to_dict())
+    for a, b in zip(before, _variables(model)):
+        np.testing.assert_array_equal(a, b)
+    return over, doubled
+
+
+@pytest.mark.backends("jax", "torch")
+def test_memory_cap_brings_out_remat_and_micro_batching(digits):
+    (x, y), _ = digits
+    check_memory_cap_what_ifs(x, y)
+
+
+@pytest.mark.backends("tensorflow")
+def test_memory_cap_tensorflow_with_bfc_allocator():
+    """TensorFlow's CPU allocator counts a step's memory only as the BFC allocator, chosen
+    before TensorFlow is imported: a child process. Its peak follows the executor's op
+    order, so each peak is checked against the cap, not against a second measurement."""
+    code = (
+        "import json\n"
+        "from keras_perf.data import load_digits_split\n"
+        "from test_diagnose import check_memory_cap_what_ifs\n"
+        "(x, y), _ = load_digits_split(seed=0, sizes=(1437,))\n"
+        "over, doubled = check_memory_cap_what_ifs(x, y, exact=False)\n"
+        "print(json.dumps([over.step_memory, [w['change'] for w in doubled.what_if]]))\n"
+    )
+    env = dict(
+        os.environ,
+        KERAS_BACKEND="tensorflow",
+        TF_CPU_ALLOCATOR_USE_BFC="true",
+        TF_CPP_MIN_LOG_LEVEL="3",
+        PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]),
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    step, _ = json.loads(done.stdout.strip().splitlines()[-1])
+    assert step["measure"] == "tf_allocator_peak", step
+
+
+def test_peak_step_memory_is_reported_where_the_backend_measures_it(digits):
+    """`d.step_memory`: one step's peak at the batch size, as kp.backend.step_memory counts
+    it; on TensorFlow's CPU allocator without BFC, None with a note saying how to get it."""
+    (x, y), _ = digits
+    model = _memory_mlp()
+    if kp.backend.step_memory_unavailable() is not None:  # TensorFlow, no BFC allocator
+        d = kp.diagnose(model, x, y, batch_size=64, steps=4, max_seconds=3, what_if=False)
+        assert d.step_memory is None
+        assert any("TF_CPU_ALLOCATOR_USE_BFC=true" in n for n in d.notes), d.notes
+        return
+    # A cap far above the step: memory is not the limit, but the peak is always measured.
+    d = kp.diagnose(
+        model, x, y, batch_size=64, steps=4, max_seconds=3, what_if=False, memory_limit_bytes=2**40
+    )
+    assert d.step_memory == {
+        "peak_bytes": _peak_alone(model, x, y, 64),
+        "measure": {"jax": "xla_memory_analysis", "torch": "torch_saved_tensors"}[BACKEND],
+        "batch_size": 64,
+    }
+    assert "peak step memory:" in str(d)
 
 
 def test_a_peak_from_earlier_work_does_not_hold_the_larger_batch_back(digits, monkeypatch):
@@ -391,7 +582,10 @@ def test_a_larger_batch_that_runs_out_of_memory_is_micro_batched(digits, monkeyp
     changes = [w["change"] for w in d.what_if]
     assert "batch_size=64" not in changes, str(d)
     assert "batch_size=64, micro-batched (microbatches=2)" in changes, (str(d), d.notes)
-    assert any("batch_size=64 did not fit in memory: micro-batched instead" in n for n in d.notes)
+    assert any(
+        "batch_size=64 did not fit in memory: micro-batched and with remat instead" in n
+        for n in d.notes
+    ), d.notes
 
 
 def test_tiny_step_is_host_bound_and_model_untouched(digits):
@@ -519,6 +713,14 @@ def test_bad_input_errors_before_measuring(digits):
         kp.diagnose(model, Sleepy(x, y), batch_size=8)
     with pytest.raises(TypeError, match="`x` must be what `fit` takes"):
         kp.diagnose(model, "data.csv")
+    for bad in (0, -1, float("inf")):
+        with pytest.raises(ValueError, match="`memory_limit_bytes`"):
+            kp.diagnose(model, x, y, memory_limit_bytes=bad)
+    with pytest.raises(TypeError, match="`memory_limit_bytes`"):
+        kp.diagnose(model, x, y, memory_limit_bytes="1GB")
+    if kp.backend.step_memory_unavailable() is not None:  # TensorFlow, no BFC allocator
+        with pytest.raises(ValueError, match="TF_CPU_ALLOCATOR_USE_BFC=true before TensorFlow"):
+            kp.diagnose(model, x, y, memory_limit_bytes=10**9)
     assert model.optimizer.iterations.numpy() == 0  # nothing ran
 
 

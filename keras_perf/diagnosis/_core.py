@@ -31,7 +31,7 @@ def _repeats_in_memory(fit_s: float, nbytes: int) -> int:
     return max(min(wanted, _MAX_REPEATS_IN_MEMORY, _MAX_REPEATED_BYTES // max(nbytes, 1)), 1)
 
 
-def _check(model, steps, max_seconds, batch_size, what_if):
+def _check(model, steps, max_seconds, batch_size, what_if, memory_limit_bytes):
     if not isinstance(model, keras.Model):
         raise TypeError(f"diagnose: `model` must be a keras.Model, got {type(model).__name__}.")
     if not getattr(model, "compiled", False) or getattr(model, "optimizer", None) is None:
@@ -43,9 +43,27 @@ def _check(model, steps, max_seconds, batch_size, what_if):
     check_number("max_seconds", max_seconds, low=0.0, low_inclusive=False)
     check_int("batch_size", batch_size, minimum=1, allow_none=True)
     check_bool("what_if", what_if)
+    if memory_limit_bytes is None:
+        return None
+    limit = check_number("memory_limit_bytes", memory_limit_bytes, low=0, low_inclusive=False)
+    if not math.isfinite(limit):
+        raise ValueError(f"`memory_limit_bytes` must be finite, got {memory_limit_bytes!r}.")
+    problem = _backend.step_memory_unavailable()
+    if problem is not None:
+        raise ValueError(f"diagnose(memory_limit_bytes=...): {problem}")
+    return int(limit)
 
 
-def diagnose(model, x, y=None, batch_size=None, steps=50, max_seconds=60, what_if=True):
+def diagnose(
+    model,
+    x,
+    y=None,
+    batch_size=None,
+    steps=50,
+    max_seconds=60,
+    what_if=True,
+    memory_limit_bytes=None,
+):
     """Measure where `model`'s training time goes on this data, and what each change buys.
 
     Runs real `fit` calls for a few dozen steps each on a twin of `model` (same layers,
@@ -69,14 +87,21 @@ def diagnose(model, x, y=None, batch_size=None, steps=50, max_seconds=60, what_i
         max_seconds: Time budget, not counting the first trace of the train function.
             Defaults to `60`.
         what_if: Whether to measure the changes. Defaults to `True`.
+        memory_limit_bytes: The memory a training step may use: memory is the limit where a
+            step's measured peak is above it (a what-if above it is not timed). On a CPU,
+            where nothing runs out of memory, this is what brings out the remat and
+            micro-batching what-ifs. Defaults to `None`: an accelerator's own memory.
 
     Returns:
         A `Diagnosis`: `bottleneck`, `shares`, `examples_per_s`, `what_if`,
-        `peak_memory_bytes`; `print` it for a table, `to_dict()` for JSON, `plot(path)`.
+        `peak_memory_bytes`, `step_memory`; `print` it for a table, `to_dict()` for JSON,
+        `plot(path)`.
 
     Raises:
-        ValueError: An uncompiled model, `steps < 1`, `max_seconds <= 0`, or data `fit` would
-            reject (before anything is measured).
+        ValueError: An uncompiled model, `steps < 1`, `max_seconds <= 0`,
+            `memory_limit_bytes <= 0`, a cap where this backend cannot measure a step's peak
+            (TensorFlow's CPU allocator without `TF_CPU_ALLOCATOR_USE_BFC=true`), or data
+            `fit` would reject (before anything is measured).
         TypeError: Arguments of the wrong type.
 
     Example:
@@ -91,16 +116,16 @@ def diagnose(model, x, y=None, batch_size=None, steps=50, max_seconds=60, what_i
     print(d.bottleneck, d.shares)
     ```
     """
-    _check(model, steps, max_seconds, batch_size, what_if)
+    limit = _check(model, steps, max_seconds, batch_size, what_if, memory_limit_bytes)
     source = _data.make_source(x, y, batch_size, steps)
     rng = _measure.RandomState()
     try:
-        return _run(model, source, steps, float(max_seconds), what_if)
+        return _run(model, source, steps, float(max_seconds), what_if, limit)
     finally:
         rng.restore()
 
 
-def _run(model, source, steps, max_seconds, what_if):
+def _run(model, source, steps, max_seconds, what_if, limit):
     t_start = time.perf_counter()
     notes = []
     twin = _measure.make_twin(model)
@@ -127,6 +152,7 @@ def _run(model, source, steps, max_seconds, what_if):
             t_start,
             snapshot is None,
             peak_before,
+            limit,
         )
     finally:
         if snapshot is not None:
@@ -171,7 +197,17 @@ class _Baseline:
 
 
 def _measure_all(
-    model, twin, source, steps, max_seconds, what_if, notes, t_start, can_recompile, peak_before
+    model,
+    twin,
+    source,
+    steps,
+    max_seconds,
+    what_if,
+    notes,
+    t_start,
+    can_recompile,
+    peak_before,
+    limit,
 ):
     n = steps if source.batches_per_epoch is None else min(steps, source.batches_per_epoch)
     share = _BASELINE_SHARE if what_if else 0.95
@@ -194,19 +230,24 @@ def _measure_all(
     shares = {"input": input_part / total, "host": r.host / total, "compute": r.compute / total}
     bottleneck = max(shares, key=shares.get)
     peak = _peak_memory(peak_before, notes)
+    t0 = time.perf_counter()
+    r.step_memory = _step_memory(r, limit, max_seconds)
+    r.measured["step_memory_seconds"] = time.perf_counter() - t0
     notes.append(
         "the optimizer update runs once per step: its per-variable launches and Python count "
         "as host, its per-parameter arithmetic as compute."
     )
     what_ifs = []
     if what_if:
-        what_ifs = _trial.what_ifs(r, model, can_recompile, peak, bottleneck, max_seconds)
+        what_ifs = _trial.what_ifs(r, model, can_recompile, peak, bottleneck, max_seconds, limit)
     return Diagnosis(
         bottleneck=bottleneck,
         shares=shares,
         examples_per_s=r.B / r.together,
         what_if=what_ifs,
         peak_memory_bytes=peak,
+        step_memory=r.step_memory,
+        memory_limit_bytes=limit,
         batch_size=r.B,
         backend=keras.backend.backend(),
         input_kind=source.kind,
@@ -315,6 +356,41 @@ def _step_alone(r) -> None:
         r.host = r.t_b - r.compute
     else:
         r.host, r.compute = r.t_b, 0.0  # one example per step: nothing to separate
+
+
+def _step_memory(r, limit, max_seconds):
+    """The peak memory of one step at the batch size (`kp.backend.step_memory`, on batches in
+    memory): `{"peak_bytes", "measure", "batch_size"}`, or None with a note saying why.
+
+    TensorFlow and torch run one step to measure it; JAX compiles the step (XLA's memory
+    analysis), which costs about a first trace (0.7x of it on an MLP). That is measured when
+    it takes at most a quarter of `max_seconds`, or always with `memory_limit_bytes`, which
+    needs it.
+    """
+    problem = _backend.step_memory_unavailable()
+    if problem is not None:
+        r.notes.append(f"peak step memory not measured: {problem}")
+        return None
+    cost = max(r.retrace) if _backend.STEP_MEMORY_RUNS_STEP else r.trace_s
+    if limit is None and cost > max_seconds / 4:
+        r.notes.append(
+            f"peak step memory not measured: measuring it costs about {cost:.1f} s here ("
+            f"{'a step traced' if _backend.STEP_MEMORY_RUNS_STEP else 'the step compiled'}), "
+            "more than a quarter of max_seconds."
+        )
+        return None
+    batch = tuple(
+        None if a is None else keras.tree.map_structure(lambda t: t[: r.B], a)
+        for a in (r.xs, r.ys, r.sws)
+    )
+    try:
+        measured = _measure.step_peak(r.twin, batch)
+    except Exception as exc:  # an out-of-memory on an accelerator, a backend without a measure
+        r.notes.append(f"peak step memory not measured: the measure failed ({type(exc).__name__}).")
+        if _backend.is_oom(exc):
+            _backend.clear_memory()
+        return None
+    return {**measured, "batch_size": r.B}
 
 
 def _peak_memory(peak_before, notes):

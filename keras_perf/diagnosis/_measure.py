@@ -283,3 +283,24 @@ def epoch_seconds(model, deadline, epochs=3, fits=1, **fit_kwargs) -> float | No
 def peak_memory() -> int | None:
     stats = _backend.memory_stats()
     return None if stats is None else stats.get("peak_bytes")
+
+
+def step_peak(model, batch) -> dict:
+    """The peak memory of one training step of `model` on `batch` (`(x, y, sample_weight)`),
+    as `kp.backend.step_memory` measures it: `{"peak_bytes", "measure"}`.
+
+    TensorFlow and torch run the step (the model's variables move on by one step); JAX
+    compiles it and reads XLA's memory analysis. A model not trained yet (a new
+    `kp.loss_scaled` twin) is built first, shapes only, as `fit` would build it.
+    """
+    from keras_perf import _keras_internals
+
+    x, y, sample_weight = batch
+    with _backend.model_scope(model):
+        _keras_internals.symbolic_build(
+            model, keras.tree.map_structure(lambda t: None if t is None else t[:1], batch)
+        )
+    result = _backend.step_memory(
+        model, batch, lambda: model.train_on_batch(x, y, sample_weight=sample_weight)
+    )
+    return {"peak_bytes": int(result["bytes"]), "measure": result["measure"]}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from keras_perf import _imports
+from keras_perf.oom._batch_report import MEASURES as _MEASURES
 
 VERDICTS = {
     "input": "the step waits for data: make the input faster or overlap it with the step",
@@ -10,6 +11,10 @@ VERDICTS = {
     "dominates: do more work per step",
     "compute": "the arithmetic of the step dominates: less work per example or faster math",
 }
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
 
 
 def _bar(share: float, width: int = 20) -> str:
@@ -25,8 +30,16 @@ class Diagnosis:
         shares: `{"input", "host", "compute"}`, fractions of one training step; they sum to 1.
         examples_per_s: Training throughput with the user's own data and settings.
         what_if: Measured changes, best first: dicts with `change`, `speedup` (x the current
-            examples/s), `how` (the line to change) and `examples_per_s`.
+            examples/s), `how` (the line to change), `examples_per_s` and `peak_bytes` (the
+            peak memory of its step, measured as `step_memory` is, for the changes of the
+            batch, micro-batching and remat where memory can be the limit: on an
+            accelerator, or with `memory_limit_bytes`; else `None`).
         peak_memory_bytes: Peak accelerator memory where the backend reports it, else `None`.
+        step_memory: The peak memory of one training step at the batch size, measured by
+            `kp.backend.step_memory`: `{"peak_bytes", "measure", "batch_size"}` (`measure` a
+            key of `kp.oom.MEASURES`), or `None` where this backend cannot measure it here
+            (TensorFlow's CPU allocator without `TF_CPU_ALLOCATOR_USE_BFC=true`; a note says).
+        memory_limit_bytes: The cap passed to `diagnose`, or `None`.
         seconds_per_step: The measured times behind the shares (`together`, `input_alone`,
             `step_alone`, `input`, `host`, `compute`).
         notes: What was not tried and why, one-pass inputs, where the optimizer goes.
@@ -73,9 +86,24 @@ class Diagnosis:
         if self.what_if:
             lines.append("what if (measured with fit, best first):")
             width = max(len(w["change"]) for w in self.what_if)
-            for w in self.what_if:
+            peaks = [w.get("peak_bytes") for w in self.what_if]
+            for w, peak in zip(self.what_if, peaks):
                 gain = "" if w["speedup"] > 1.05 else "  (no gain)"
-                lines.append(f"  {w['speedup']:5.2f}x  {w['change']:<{width}}  {w['how']}{gain}")
+                memory = ""
+                if any(p is not None for p in peaks):
+                    memory = f"{'peak ' + _mib(peak):>18}  " if peak is not None else " " * 20
+                lines.append(
+                    f"  {w['speedup']:5.2f}x  {w['change']:<{width}}  {memory}{w['how']}{gain}"
+                )
+        step = getattr(self, "step_memory", None)
+        if step is not None:
+            lines.append(
+                f"peak step memory: {_mib(step['peak_bytes'])} at batch {step['batch_size']} "
+                f"({_MEASURES.get(step['measure'], step['measure'])})"
+            )
+        limit = getattr(self, "memory_limit_bytes", None)
+        if limit is not None:
+            lines.append(f"memory limit: {_mib(limit)} (memory_limit_bytes)")
         if self.peak_memory_bytes is not None:
             lines.append(f"peak accelerator memory: {self.peak_memory_bytes / 2**20:,.0f} MiB")
         lines.append(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 import keras
+import numpy as np
 
 from keras_perf import backend as _backend
 from keras_perf.diagnosis import _measure, _what_if
@@ -50,6 +51,31 @@ class _Context:
     def drop_mixed_twin(self):
         self.mixed_twin = None
 
+    def batch_of(self, size):
+        """`size` examples as `(x, y, sample_weight)` numpy arrays, to measure a step's memory:
+        the user's arrays, else the batches held in memory."""
+        if self.source.kind == "arrays":
+            parts = (self.source.x, self.source.y, None)
+        else:
+            parts = self.in_memory
+
+        def take(t):
+            return np.asarray(keras.ops.convert_to_numpy(t[:size]))
+
+        return tuple(None if p is None else keras.tree.map_structure(take, p) for p in parts)
+
+
+class _AboveLimit(Exception):
+    """A what-if whose measured step peak is above `memory_limit_bytes`: as an out-of-memory."""
+
+    def __init__(self, peak):
+        super().__init__(peak)
+        self.peak = peak
+
+
+def mib(n) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
 
 # The changes most likely to help each bottleneck (prefixes of their names), timed first in
 # case the budget runs out.
@@ -60,7 +86,19 @@ _FIRST_FOR = {
 }
 
 
-def what_ifs(r, model, can_recompile, peak, bottleneck, max_seconds) -> list:
+def _memory_rule(r, peak, device_bytes, limit) -> tuple[bool, bool]:
+    """(the current step fits, twice the batch fits): with a cap, the step's measured peak
+    against it; else, on an accelerator, twice the peak accelerator memory against the
+    device's; else (a CPU, or a peak not known) both fit."""
+    if limit is not None:
+        step = r.step_memory["peak_bytes"] if r.step_memory is not None else None
+        if step is None:
+            return True, True
+        return step <= limit, 2 * step <= limit
+    return True, peak is None or device_bytes is None or 2 * peak < device_bytes
+
+
+def what_ifs(r, model, can_recompile, peak, bottleneck, max_seconds, limit=None) -> list:
     """Each change that applies (`_what_if.candidates`), timed against the baseline."""
     source, twin, B, notes = r.source, r.twin, r.B, r.notes
     base_kwargs = (
@@ -74,6 +112,7 @@ def what_ifs(r, model, can_recompile, peak, bottleneck, max_seconds) -> list:
         if d["kind"] in ("GPU", "TPU") and d.get("memory_bytes"):
             device_bytes = d["memory_bytes"]
             break
+    current_fits, larger_batch_fits = _memory_rule(r, peak, device_bytes, limit)
     ctx = _Context(
         source=source,
         twin=twin,
@@ -85,7 +124,16 @@ def what_ifs(r, model, can_recompile, peak, bottleneck, max_seconds) -> list:
         can_recompile=can_recompile,
         peak_memory_bytes=peak,
         device_bytes=device_bytes,
-        larger_batch_fits=peak is None or device_bytes is None or 2 * peak < device_bytes,
+        memory_limit=limit,
+        step_memory=r.step_memory,
+        current_fits=current_fits,
+        larger_batch_fits=larger_batch_fits,
+        in_memory=(r.xs, r.ys, r.sws),
+        # The peaks of the batch, micro-batching and remat what-ifs: measured where memory
+        # can be the limit (an accelerator, or a cap); on a CPU without a cap nothing runs
+        # out, and on JAX each measure is one more compilation.
+        measure_memory=r.step_memory is not None
+        and (limit is not None or _backend.has_accelerator()),
         input_per_batch=r.input_per_batch,
         max_seconds=max_seconds,
         bottleneck=bottleneck,
@@ -129,12 +177,19 @@ def _time_changes(ctx, changes, base_step, B, deadline, retrace_s, notes):
         warm_up = retrace_s * change.retraces
         if change.trace_factor is not None:
             warm_up = max(warm_up, change.trace_factor * ctx.trace_s)
+        measure = change.memory_batch is not None and ctx.measure_memory
+        if measure:
+            warm_up *= 2  # its step's memory measured too: one more step, or one more compile
         if left < warm_up + ctx.steps * base_step:
             notes.append(f"{change.change} not measured: the time budget ran out.")
             continue
-        target = ctx.twin
+        target, peak = ctx.twin, None
         try:
             target = change.apply() or ctx.twin
+            if measure:
+                peak = _measure.step_peak(target, ctx.batch_of(change.memory_batch))["peak_bytes"]
+                if ctx.memory_limit is not None and peak > ctx.memory_limit:
+                    raise _AboveLimit(peak)
             k = change.steps_multiple
             n = max((ctx.steps // k) * k, k)
             if change.retraces:
@@ -163,15 +218,29 @@ def _time_changes(ctx, changes, base_step, B, deadline, retrace_s, notes):
                 )
         except Exception as exc:  # the change does not work here: not offered
             ctx.twin_state.restore()
-            if _backend.is_oom(exc):
-                instead = change.on_oom() if change.on_oom is not None else None
-                if instead is not None:
-                    notes.append(f"{change.change} did not fit in memory: micro-batched instead.")
-                    changes.insert(i, instead)
+            above = isinstance(exc, _AboveLimit)
+            if above or _backend.is_oom(exc):
+                if not above:
+                    _backend.clear_memory()
+                why = (
+                    f"peaks at {mib(exc.peak)} per step, above memory_limit_bytes "
+                    f"({mib(ctx.memory_limit)}): not timed"
+                    if above
+                    else "did not fit in memory"
+                )
+                instead = change.on_oom() if change.on_oom is not None else []
+                if instead:
+                    names = [
+                        "micro-batched" if "micro" in c.change else "with remat" for c in instead
+                    ]
+                    notes.append(f"{change.change} {why}: {' and '.join(names)} instead.")
+                    changes[i:i] = instead
+                elif change.on_oom is None and change.memory_batch is not None:
+                    notes.append(f"{change.change} {why}.")  # itself a way to use less memory
                 else:
                     notes.append(
-                        f"{change.change} did not fit in memory; kp.fit_with_oom_retry "
-                        "micro-batches a batch that does not fit."
+                        f"{change.change} {why}; kp.fit_with_oom_retry climbs remat and "
+                        "micro-batching when a batch does not fit."
                     )
             else:
                 notes.append(f"{change.change} not offered: it failed here ({type(exc).__name__}).")
@@ -189,6 +258,7 @@ def _time_changes(ctx, changes, base_step, B, deadline, retrace_s, notes):
                 "speedup": round(speedup, 3),
                 "how": change.how,
                 "examples_per_s": round(1.0 / per_example, 1),
+                "peak_bytes": peak,
             }
         )
     results.sort(key=lambda r: -r["speedup"])

@@ -35,12 +35,17 @@ class Change:
         retraces=True,
         on_oom=None,
         trace_factor=None,
+        memory_batch=None,
     ):
         self.change = change
+        # The batch size at which its step's peak memory is measured (changes of the batch or
+        # of what a step keeps: larger batches, micro-batching, remat); None: not measured.
+        self.memory_batch = memory_batch
         # The cost of its warm-up as a multiple of the first trace (a new model, an XLA
         # compile), where a retrace of the train function would underestimate it; else None.
         self.trace_factor = trace_factor
-        # Called when the change runs out of memory: the change to time instead, or None.
+        # Called when the change runs out of memory (or is above `memory_limit_bytes`): the
+        # changes to time instead, a list (empty: none).
         self.on_oom = on_oom
         self.retraces = retraces  # False: same shapes and train function (data-side changes)
         self.how = how
@@ -151,26 +156,63 @@ def _tf_data_cache(ctx, notes) -> Change | None:
     return Change("tf.data cache", how, {"x": cached}, ctx.batch_size, fill, retraces=False)
 
 
-def _larger_batch(ctx, notes) -> Change | None:
-    """Twice the batch size, for arrays with at least 2 such batches; micro-batched instead
-    where memory is the limit (or where the larger batch runs out of memory)."""
+def _mib(n) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def memory_changes(ctx, size, notes) -> list:
+    """What fits a batch of `size` in less memory: micro-batched, and with remat="full"; in
+    the order of `kp.fit_with_oom_retry`'s ladder (remat first for a model with
+    BatchNormalization, whose statistics it keeps exact; micro-batching first otherwise),
+    so that the exact one is timed first when the budget is short."""
+    from keras_perf.oom._rungs import batch_dependent
+
+    changes = [microbatch_change(ctx, size, notes), remat_change(ctx, size, notes)]
+    if batch_dependent(ctx.twin):
+        changes.reverse()
+    return [c for c in changes if c is not None]
+
+
+def _over_limit(ctx, notes) -> list | None:
+    """The current batch micro-batched and with remat, where its step is above
+    `memory_limit_bytes` (any input: the batches are the user's)."""
+    if ctx.current_fits:
+        return None
+    notes.append(
+        f"the step at batch {ctx.batch_size} peaks at {_mib(ctx.step_memory['peak_bytes'])}, "
+        f"above memory_limit_bytes ({_mib(ctx.memory_limit)}): micro-batched and with remat at "
+        "the same batch instead (kp.find_max_batch_size gives the largest batch of each)."
+    )
+    return memory_changes(ctx, ctx.batch_size, notes)
+
+
+def _larger_batch(ctx, notes) -> Change | list | None:
+    """Twice the batch size, for arrays with at least 2 such batches; micro-batched and with
+    remat instead where memory is the limit (or where the larger batch runs out of memory)."""
     source, B = ctx.source, ctx.batch_size
-    if source.kind != "arrays" or source.examples // (2 * B) < 2:
+    if source.kind != "arrays" or source.examples // (2 * B) < 2 or not ctx.current_fits:
         return None
     big = 2 * B
     if not ctx.larger_batch_fits:
+        if ctx.memory_limit is not None:
+            why = (
+                f"step peak {_mib(ctx.step_memory['peak_bytes'])} at batch {B}, "
+                f"memory_limit_bytes {_mib(ctx.memory_limit)}"
+            )
+        else:
+            why = f"peak {_mib(ctx.peak_memory_bytes)} of {_mib(ctx.device_bytes)}"
         notes.append(
-            f"batch_size={big} not tried as it is: memory is the limit (peak "
-            f"{ctx.peak_memory_bytes / 2**20:,.0f} MiB of {ctx.device_bytes / 2**20:,.0f} "
-            f"MiB); micro-batched instead."
+            f"batch_size={big} not tried as it is: memory is the limit ({why}); micro-batched "
+            "and with remat instead."
         )
-        return microbatch_change(ctx, big, notes)
+        return memory_changes(ctx, big, notes)
     return Change(
         f"batch_size={big}",
         f"model.fit(..., batch_size={big})  # changes the optimisation: retune the learning rate",
         source.fit_kwargs(batch_size=big),
         big,
-        on_oom=lambda: microbatch_change(ctx, big, notes),
+        on_oom=lambda: memory_changes(ctx, big, notes),
+        memory_batch=big,
     )
 
 
@@ -274,6 +316,7 @@ def _mixed_precision(ctx, notes) -> Change | None:
 # The changes in the order they are offered (and their notes written). Data-side changes touch
 # the input or the batch; compile-side ones recompile the twin, which needs a clone of the model.
 DATA_CHANGES = (
+    _over_limit,
     _pydataset_workers,
     _tf_data_prefetch,
     _tf_data_parallel_map,
@@ -288,7 +331,9 @@ def candidates(ctx) -> tuple[list[Change], list[str]]:
     out, notes = [], []
     for offer in DATA_CHANGES:
         change = offer(ctx, notes)
-        if change is not None:
+        if isinstance(change, list):
+            out.extend(change)
+        elif change is not None:
             out.append(change)
     if not ctx.can_recompile:
         notes.append("compile-side changes not tried: Keras could not clone this model.")
@@ -300,29 +345,52 @@ def candidates(ctx) -> tuple[list[Change], list[str]]:
     return out, notes
 
 
-def microbatch_change(ctx, big, notes) -> Change | None:
-    """A batch of `big` in slices of the current batch (`kp.loss_scaled(..., microbatches=k)`):
-    the examples/s of the larger batch at about the activation memory of the current one."""
-    from keras_perf.train_step import LossScaleTrainStep, loss_scaled
+def _stock_or_own(ctx, name, notes):
+    """(whether the twin has keras-perf's train step itself, or None when neither it nor a
+    `kp.loss_scaled` twin of it can be had), with a note saying why not."""
+    from keras_perf.train_step import LossScaleTrainStep
 
-    twin, B = ctx.twin, ctx.batch_size
-    name = f"batch_size={big}, micro-batched"
+    twin = ctx.twin
     if not ctx.can_recompile:
         notes.append(f"{name} not tried: Keras could not clone this model.")
         return None
-    current = twin.microbatches if isinstance(twin, LossScaleTrainStep) else 1
-    if not isinstance(twin, LossScaleTrainStep) and not _backend.is_functional(twin):
+    if isinstance(twin, LossScaleTrainStep):
+        return True
+    if not _backend.is_functional(twin):
         notes.append(
             f"{name} not tried: kp.loss_scaled takes Sequential and Functional models; a "
-            "subclassed model gets micro-batching from `class M(kp.LossScaleTrainStep, "
+            "subclassed model gets micro-batching and remat from `class M(kp.LossScaleTrainStep, "
             "keras.Model)`."
         )
         return None
+    return False
+
+
+def _fit_kwargs(ctx, size):
+    """`fit` arguments for a batch of `size`: the user's own at the current batch size."""
+    return ctx.base_fit_kwargs if size == ctx.batch_size else ctx.source.fit_kwargs(batch_size=size)
+
+
+def microbatch_change(ctx, big, notes) -> Change | None:
+    """A batch of `big` in slices (`kp.loss_scaled(..., microbatches=k)`): at twice the batch,
+    the examples/s of the larger batch at about the activation memory of the current one; at
+    the current batch, about half its activation memory."""
+    from keras_perf.oom._rungs import batch_dependent
+    from keras_perf.train_step import loss_scaled
+
+    twin, B = ctx.twin, ctx.batch_size
+    name = f"batch_size={big}, micro-batched"
+    own = _stock_or_own(ctx, name, notes)
+    if own is None:
+        return None
+    current = twin.microbatches if own else 1
     k = 2 * current
+    if big < k:
+        return None  # fewer examples than slices
     held = {}
 
     def apply():
-        if isinstance(twin, LossScaleTrainStep):
+        if own:
             twin.microbatches = k
             return twin
         # The twin's layers behind keras-perf's train step, compiled as the twin is, with the
@@ -331,21 +399,75 @@ def microbatch_change(ctx, big, notes) -> Change | None:
         return held["model"]
 
     def undo():
-        if isinstance(twin, LossScaleTrainStep):
+        if own:
             twin.microbatches = current
         held.clear()
 
-    if isinstance(twin, LossScaleTrainStep):
-        how = f"model.microbatches = {k}; model.fit(..., batch_size={big})"
+    fit = f"; model.fit(..., batch_size={big})" if big != B else ""
+    if own:
+        how = f"model.microbatches = {k}{fit}"
     else:
-        how = f"model = kp.loss_scaled(model, microbatches={k}); model.fit(..., batch_size={big})"
-    how += f"  # slices of {big // k}: about the memory of batch {B}; retune the learning rate"
+        how = f"model = kp.loss_scaled(model, microbatches={k}){fit}"
+    if big != B:
+        how += f"  # slices of {big // k}: about the memory of batch {B}; retune the learning rate"
+    else:
+        how += f"  # slices of {big // k}: the same update, less activation memory"
+    if batch_dependent(twin):
+        how += f"; BatchNormalization normalises each slice of {big // k} on its own"
     return Change(
         f"{name} (microbatches={k})",
         how,
-        ctx.source.fit_kwargs(batch_size=big),
+        _fit_kwargs(ctx, big),
         big,
         apply,
         undo,
         trace_factor=1.0,  # a new model (or a new micro-batch count): traced anew
+        memory_batch=big,
+    )
+
+
+def remat_change(ctx, size, notes) -> Change | None:
+    """A batch of `size` kept whole, each layer's activations recomputed in the backward pass
+    (`kp.loss_scaled(..., remat="full")`): the same arithmetic, BatchNormalization included,
+    for one more forward pass."""
+    from keras_perf.train_step import loss_scaled
+
+    twin, B = ctx.twin, ctx.batch_size
+    name = f'batch_size={size}, remat="full"'
+    own = _stock_or_own(ctx, name, notes)
+    if own is None:
+        return None
+    if own and twin.remat is not None:
+        notes.append(f"{name} not tried: the model recomputes already (remat={twin.remat!r}).")
+        return None
+    held = {}
+
+    def apply():
+        if own:
+            twin.set_remat("full")
+            return twin
+        held["model"] = loss_scaled(twin, remat="full")
+        return held["model"]
+
+    def undo():
+        if own:
+            twin.set_remat(None)
+        held.clear()
+
+    fit = f"; model.fit(..., batch_size={size})" if size != B else ""
+    how = (
+        'model.set_remat("full")' if own else 'model = kp.loss_scaled(model, remat="full")'
+    ) + fit
+    how += "  # activations recomputed in the backward pass: exact, the batch whole"
+    if size != B:
+        how += "; retune the learning rate"
+    return Change(
+        name,
+        how,
+        _fit_kwargs(ctx, size),
+        size,
+        apply,
+        undo,
+        trace_factor=1.0,  # a new model (or a new remat setting): traced anew
+        memory_batch=size,
     )

@@ -813,3 +813,36 @@ def test_remat_rung_recovers_exactly_mid_epoch():
     # Weights, Adam slots and the moving statistics.
     assert _max_diff(model, ref) < 1e-6
     assert int(h.model.optimizer.iterations) == int(twin.optimizer.iterations) == 6
+
+
+# Takes ~4 s of CPU on TF (three fits): slow tier, on every backend
+# (tests/test_pairs_of_pieces.py covers it with the other pieces, on TF).
+@pytest.mark.slow
+def test_resumed_run_retrying_a_later_epoch_trains_each_epoch_once(tmp_path):
+    # Regression: `BackupAndRestore` sets the epoch a resumed fit starts at on the model; Keras
+    # never clears it and `fit` prefers it to `initial_epoch`, so the retry of epoch 2 of a
+    # model with the train step started at epoch 1 again (history.epoch [1, 1, 2], 12 steps).
+    x, y = _data(n=48)
+
+    def build():
+        return _compile(kp.loss_scaled(_mlp()), eager=False)
+
+    class Interrupt(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 1:
+                raise RuntimeError("interrupted")
+
+    backup = str(tmp_path / "backup")
+    fit = dict(batch_size=16, epochs=3, shuffle=False, verbose=0)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        build().fit(x, y, callbacks=[keras.callbacks.BackupAndRestore(backup), Interrupt()], **fit)
+    model = build()
+    oom = OOMUnless(lambda remat, k: k >= 2, from_step=7)  # epoch 2, step 1
+    h = kp.fit_with_oom_retry(
+        model, x, y, callbacks=[keras.callbacks.BackupAndRestore(backup), oom], **fit
+    )
+    assert [e["epoch"] for e in h.oom_events] == [2] and h.epoch == [1, 2]
+    ref = build()
+    ref.fit(x, y, **fit)
+    assert int(model.optimizer.iterations) == int(ref.optimizer.iterations) == 9
+    assert _max_diff(model, ref) < 1e-5

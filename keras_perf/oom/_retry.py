@@ -15,6 +15,7 @@ import types
 
 import keras
 
+from keras_perf import _keras_internals as keras_internals
 from keras_perf import backend as _backend
 from keras_perf._utils import check_int
 from keras_perf.oom import _state
@@ -253,6 +254,11 @@ class _Run:
         else:
             self.fitting = loss_scaled(self.fitting, microbatches=nxt, remat=remat)
         self.callbacks.set_model(self.fitting)
+        # A resumed run: `BackupAndRestore` (or `kp.EarlyStopping` rolling back) set the epoch
+        # to resume at on the model in the first `fit`'s `on_train_begin`. Keras never clears
+        # it and `fit` prefers it to `initial_epoch`, so a retry of a later epoch would start
+        # at the resumed one again and train it twice.
+        keras_internals.set_initial_epoch(self.fitting, None)
         if self.replay is not None:  # the failed epoch's batches again, then the next ones
             self.x = self.replay.stream(self.callbacks.steps_done)
         self.epoch = epoch

@@ -815,8 +815,8 @@ def test_remat_rung_recovers_exactly_mid_epoch():
     assert int(h.model.optimizer.iterations) == int(twin.optimizer.iterations) == 6
 
 
-# Takes ~4 s of CPU on TF (three fits): slow tier, on every backend
-# (tests/test_pairs_of_pieces.py covers it with the other pieces, on TF).
+# The two regressions below take 2-4 s of CPU each on TF (three and one fits): slow tier, on
+# every backend (tests/test_pairs_of_pieces.py covers them with the other pieces, on TF).
 @pytest.mark.slow
 def test_resumed_run_retrying_a_later_epoch_trains_each_epoch_once(tmp_path):
     # Regression: `BackupAndRestore` sets the epoch a resumed fit starts at on the model; Keras
@@ -846,3 +846,25 @@ def test_resumed_run_retrying_a_later_epoch_trains_each_epoch_once(tmp_path):
     ref.fit(x, y, **fit)
     assert int(model.optimizer.iterations) == int(ref.optimizer.iterations) == 9
     assert _max_diff(model, ref) < 1e-5
+
+
+@pytest.mark.slow
+def test_pruned_stock_model_restored_to_its_best_epoch_keeps_the_last_masks():
+    # Regression: after an OOM a stock model goes on as a `kp.loss_scaled` twin, whose
+    # `set_weights` did not mask with the latest pruning masks: EarlyStopping restored the
+    # best epoch's weights (pruned at 42 %) and the model ended less pruned than logged (60 %).
+    x, y = _data(n=48)
+    model = _compile(_mlp(), eager=False)
+    pruning = kp.PruningCallback(kp.PolynomialDecay(0.0, 0.6, 0, 6, frequency=2))
+    # mode="max" on the loss: the best epoch is the first, pruned less than the last.
+    es = kp.EarlyStopping("loss", mode="max", patience=5, restore_best_weights=True)
+    oom = OOMUnless(lambda remat, k: k >= 2, from_step=4)  # epoch 1, step 1
+    h = kp.fit_with_oom_retry(
+        model, x, y, batch_size=16, epochs=3, shuffle=False, verbose=0,
+        callbacks=[pruning, es, oom],
+    )  # fmt: skip
+    assert len(h.oom_events) == 1 and h.model is not model and es.best_epoch == 0
+    kernels = [np.array(w) for w in model.trainable_weights if len(w.shape) == 2]
+    zeros = sum(int(np.sum(k == 0)) for k in kernels) / sum(k.size for k in kernels)
+    assert h.history["sparsity"] == pytest.approx([0.42, 0.6, 0.6], abs=0.02)
+    assert zeros == pytest.approx(h.history["sparsity"][-1], abs=1e-6)

@@ -868,3 +868,57 @@ def test_pruned_stock_model_restored_to_its_best_epoch_keeps_the_last_masks():
     zeros = sum(int(np.sum(k == 0)) for k in kernels) / sum(k.size for k in kernels)
     assert h.history["sparsity"] == pytest.approx([0.42, 0.6, 0.6], abs=0.02)
     assert zeros == pytest.approx(h.history["sparsity"][-1], abs=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["sequential", "sequential_pydataset", "subclassed"])
+def test_oom_after_updates_of_the_first_epoch_rolls_back_what_the_first_step_built(kind):
+    # Regression (TensorFlow): the optimizer's slots, and an unbuilt model's weights, are made
+    # in the first traced step, after the first epoch's snapshot; an epoch 0 retried after two
+    # updates went on from the failed attempt's Adam slots (0.025 off the run without OOM) and
+    # a subclassed model's weights too (0.04 off). They are built before the run now.
+    x, y = _data(n=48)
+    if kind == "subclassed":  # the accumulation rung: two batches of 8 per update
+        model = _compile(Net(threshold=8, from_call=2), eager=True)
+        h = kp.fit_with_oom_retry(model, x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        ref = _compile(Net(), eager=False)
+    else:
+        data = {"x": Batches(x, y, 16)} if kind.endswith("pydataset") else {"x": x, "y": y}
+        model = _compile(_mlp(), eager=False)
+        oom = OOMUnless(lambda remat, k: k >= 2, from_step=2)
+        h = kp.fit_with_oom_retry(model, **data, batch_size=16 if "y" in data else None,
+                                  epochs=2, shuffle=False, verbose=0, callbacks=[oom])  # fmt: skip
+        ref = _compile(kp.loss_scaled(_mlp(), microbatches=2), eager=False)
+    ref.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    assert [e["epoch"] for e in h.oom_events] == [0]
+    assert int(model.optimizer.iterations) == int(ref.optimizer.iterations) == 6
+    assert _max_diff(model, ref) < 1e-5
+
+
+class MixinNet(kp.LossScaleTrainStep, keras.Model):
+    def __init__(self):
+        super().__init__()
+        keras.utils.set_random_seed(0)
+        self.hidden, self.out = keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)
+
+    def call(self, x, training=False):
+        return self.out(self.hidden(x))
+
+
+@pytest.mark.slow
+@pytest.mark.backends("tensorflow")
+def test_unbuilt_model_fed_a_dataset_gives_up_when_its_first_epoch_cannot_be_rolled_back():
+    # TensorFlow builds it in the first step, and a dataset is not read ahead to build it
+    # before (that could draw a shuffle): after updates, nothing to roll back to.
+    x, y = _data(n=48)
+    model = _compile(MixinNet(), eager=False)
+    oom = OOMUnless(lambda remat, k: k >= 2, from_step=2)
+    with pytest.raises(RuntimeError, match=r"were made in the failed epoch's first step.*"
+                       r"call it on a batch of data"):  # fmt: skip
+        kp.fit_with_oom_retry(model, Batches(x, y, 16), verbose=0, callbacks=[oom])
+    # An OOM in the first step, before any update, is retried: the variables hold their
+    # initial values.
+    model = _compile(MixinNet(), eager=False)
+    oom = OOMUnless(lambda remat, k: k >= 2)
+    h = kp.fit_with_oom_retry(model, Batches(x, y, 16), verbose=0, callbacks=[oom])
+    assert [e["epoch"] for e in h.oom_events] == [0] and int(model.optimizer.iterations) == 3

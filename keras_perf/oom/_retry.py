@@ -37,6 +37,7 @@ from keras_perf.oom._state import (
     _Replay,
     _RunCallbacks,
     _steps,
+    build_state,
 )
 from keras_perf.train_step import LossScaleTrainStep, loss_scaled
 
@@ -193,6 +194,18 @@ class _Run:
         if self.events and self.events[-1]["strategy"] is None:
             return "every rung of `strategies` was tried."
         reason = _cannot_climb(self.fitting, self.array_input, self.weighted)
+        callbacks = self.callbacks
+        if reason is None and callbacks.epoch_in_progress() and callbacks.epoch_steps:
+            # Made in the epoch's first step and trained since: nothing to rewind them to.
+            # (Made in a step that failed, they still hold their initial values.)
+            missing = [v.path for v in callbacks.not_in_snapshot(self.fitting)]
+            if missing:
+                reason = (
+                    f"{len(missing)} variables ({', '.join(missing[:3])}, ...) were made in "
+                    "the failed epoch's first step (TensorFlow builds an unbuilt model there) "
+                    "and trained since, so that epoch cannot be rolled back. Build the model "
+                    "before the run: call it on a batch of data, or `model.build(input_shape)`."
+                )
         if reason is None and len(self.events) > max_retries:
             reason = f"max_retries={max_retries} recoveries were used up."
         if reason is None and self.replay is not None:
@@ -387,6 +400,7 @@ def fit_with_oom_retry(
     strategies = check_strategies(strategies)
     run = _Run(model, x, y, batch_size, epochs, initial_epoch, fit_kwargs, strategies)
     _check_min_batch_size(min_batch_size, run.batch)
+    build_state(model, x, y, fit_kwargs.get("sample_weight"))
     try:
         while True:
             try:

@@ -14,6 +14,7 @@ step, after XLA donated the state buffers (XLA reports INTERNAL with the callbac
 RESOURCE_EXHAUSTED text inside, which the shim's text check accepts).
 """
 
+import functools
 import sys
 
 import keras
@@ -868,6 +869,41 @@ def test_pruned_stock_model_restored_to_its_best_epoch_keeps_the_last_masks():
     zeros = sum(int(np.sum(k == 0)) for k in kernels) / sum(k.size for k in kernels)
     assert h.history["sparsity"] == pytest.approx([0.42, 0.6, 0.6], abs=0.02)
     assert zeros == pytest.approx(h.history["sparsity"][-1], abs=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("oom_epoch", [0, 1])
+@pytest.mark.parametrize("pruning", ["magnitude", "channel"])
+def test_retried_epoch_starts_from_the_pruning_state_it_first_started_from(pruning, oom_epoch):
+    # Regressions: the pruning masks (variables outside the model) were not part of the
+    # epoch's snapshot, so a retried epoch trained under the masks its failed attempt had
+    # reached (0.015 off); and ChannelPruningCallback read the step at the first epoch only,
+    # so a retried epoch 0 ran the schedule ahead by the failed steps (0.47 off).
+    # 4 steps per epoch, mask updates at steps 1, 3, 5, 7, 9: each epoch starts without one
+    # and the OOM comes after its two. Remat, the rung here, is exact to the bit.
+    x, y = _data(n=64)
+
+    def run(fit, callbacks=(), remat=None):
+        model = _mlp()
+        if remat is not None:
+            model = kp.loss_scaled(model, remat=remat)
+        _compile(model, eager=False)
+        if pruning == "magnitude":
+            cb = kp.PruningCallback(kp.PolynomialDecay(0.0, 0.6, 1, 9, frequency=2))
+        else:
+            cb = kp.ChannelPruningCallback(kp.PolynomialDecay(0.0, 0.5, 1, 9, frequency=2))
+        fit(model, x, y, batch_size=16, epochs=3, shuffle=False, verbose=0,
+            callbacks=[cb, *callbacks])  # fmt: skip
+        return model, cb
+
+    oom = OOMUnless(lambda remat, k: remat == "full", from_step=4 * oom_epoch + 3)
+    model, cb = run(
+        functools.partial(kp.fit_with_oom_retry, strategies=("remat",)), callbacks=[oom]
+    )
+    ref, ref_cb = run(keras.Model.fit, remat="full")
+    assert [e["epoch"] for e in model.history.oom_events] == [oom_epoch]
+    assert _max_diff(model, ref) < 1e-6
+    assert cb.sparsity == ref_cb.sparsity > 0.4
 
 
 @pytest.mark.slow

@@ -22,6 +22,7 @@ import numpy as np
 from keras_perf import _keras_internals as keras_internals
 from keras_perf import backend as _backend
 from keras_perf._utils import first_tensor, iter_layers, map_batch
+from keras_perf.pruning._constraint import constraint_masks
 
 # The input `x`
 
@@ -68,11 +69,14 @@ def _steps(x, batch_size, fit_kwargs):
 
 
 def _state_variables(model) -> list:
-    """Every variable a train step changes, except metrics (reset at each epoch anyway)."""
+    """Every variable a train step changes, except metrics (reset at each epoch anyway), and
+    the pruning masks on the weights' constraints, which the pruning callbacks change before
+    a step: a retried epoch starts from the masks its first attempt started from."""
     variables, seen = [], set()
     optimizer = getattr(model, "optimizer", None)
     extra = list(optimizer.variables) if optimizer is not None else []
-    for v in list(model.variables) + extra:
+    masks = [m for v in model.variables for m in constraint_masks(v)]
+    for v in list(model.variables) + extra + masks:
         if id(v) not in seen:
             seen.add(id(v))
             variables.append(v)
@@ -272,6 +276,11 @@ class _RunCallbacks(keras.callbacks.CallbackList):
             self.replay.keep_from(self.steps_done)
         self.begun_epoch, self._epoch_steps = epoch, 0
         super().on_epoch_begin(epoch, logs)
+        # Variables a callback made just now (the pruning callbacks install their masks at
+        # the first epoch): the epoch starts from the values they were made with.
+        made = self.not_in_snapshot(self.model)
+        if made:
+            self.snapshot += _snapshot(self.model, made)
 
     def on_train_batch_end(self, batch, logs=None):
         self._epoch_steps = batch + 1  # `batch` is the last step of the execution

@@ -90,11 +90,13 @@ def build_state(model, x, y, sample_weight) -> None:
     TensorFlow (without a distribution strategy) builds an unbuilt model and the optimizer's
     slots inside the first traced step, after the epoch began; an epoch 0 retried after an
     OOM would otherwise keep the slots (and weights) its failed attempt had trained. JAX and
-    torch build them before `fit`'s first epoch anyway. Arrays give a one-example batch to
-    build an unbuilt model from (as Keras does, symbolically: no value changes); other
-    inputs are not read (that could draw a shuffle), so only the optimizer of a built model
-    is built.
+    torch build them before `fit`'s first epoch anyway (`_backend.FIT_BUILDS_IN_FIRST_STEP`),
+    and are left to it. Arrays give a one-example batch to build an unbuilt model from (as
+    Keras does, symbolically: no value changes); other inputs are not read (that could draw
+    a shuffle), so only the optimizer of a built model is built.
     """
+    if not _backend.FIT_BUILDS_IN_FIRST_STEP:
+        return
     optimizer = getattr(model, "optimizer", None)
     unbuilt = not model.built or not all(layer.built for layer in iter_layers(model))
     if not unbuilt and (optimizer is None or optimizer.built):

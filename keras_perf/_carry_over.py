@@ -39,7 +39,13 @@ def copy_layer_state(old, new) -> None:
 
 def keep_train_step(old, new):
     """`new` with `old`'s keras-perf train step and its settings (`microbatches`, `clipnorm`,
-    the loss-scale settings), when `old` has that step; else `new` as it is."""
+    `remat` and `remat_threshold`, the loss-scale settings), when `old` has that step; else
+    `new` as it is.
+
+    Raises:
+        ValueError: `old.remat` lists layers that `new` cannot recompute (a layer that
+            `kp.quantize_aware` gave state); the message says how to go on.
+    """
     from keras_perf.train_step import LossScaleTrainStep, loss_scaled  # imports a backend
 
     if not isinstance(old, LossScaleTrainStep):
@@ -50,8 +56,17 @@ def keep_train_step(old, new):
         "initial_scale": old.initial_scale,
         "dynamic_growth_steps": old.dynamic_growth_steps,
     }
-    if not isinstance(new, LossScaleTrainStep):
-        return loss_scaled(new, **settings)
+    remat = (old.remat, old.remat_threshold)
+    try:
+        if not isinstance(new, LossScaleTrainStep):
+            return loss_scaled(new, **settings, remat=remat[0], remat_threshold=remat[1])
+        new.set_remat(*remat)
+    except ValueError as e:
+        raise ValueError(
+            f"Model {old.name!r} has remat={old.remat!r}, which the new model cannot keep: {e} "
+            'Set `model.remat` to a mode ("full" recomputes every layer without state) or '
+            "to None first, and set the new model's `remat` afterwards."
+        ) from e
     for name, value in settings.items():
         setattr(new, name, value)
     return new

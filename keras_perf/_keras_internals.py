@@ -141,9 +141,11 @@ def symbolic_build(model, data_batch) -> None:
     model._symbolic_build(data_batch=data_batch)
 
 
-def set_initial_epoch(model, epoch: int) -> None:
+def set_initial_epoch(model, epoch: int | None) -> None:
     """Set the epoch `fit` starts from: `_initial_epoch`, the attribute `BackupAndRestore` sets
-    for this (`fit` reads it after `on_train_begin`; 0 means fit's `initial_epoch`)."""
+    for this (`fit` reads it after `on_train_begin`; 0 or None means fit's `initial_epoch`).
+    Keras never clears it: a later `fit` of the same model starts there too, unless it is
+    set back to None."""
     model._initial_epoch = epoch
 
 

@@ -14,6 +14,7 @@ step, after XLA donated the state buffers (XLA reports INTERNAL with the callbac
 RESOURCE_EXHAUSTED text inside, which the shim's text check accepts).
 """
 
+import functools
 import sys
 
 import keras
@@ -725,22 +726,34 @@ def _mlp(seed=0):
     return models.mlp([8], 6, 3, activation="gelu", seed=seed)
 
 
+def _qat_mlp(seed=0):
+    return kp.quantize_aware(_mlp(seed))
+
+
 @pytest.mark.parametrize(
     "build, order",
     [
         (_bn_model, ["remat", "microbatches", "remat+microbatches", "remat+microbatches"]),
+        pytest.param(
+            _qat_mlp,
+            ["remat", "microbatches", "remat+microbatches", "remat+microbatches"],
+            marks=pytest.mark.slow,  # ~4 s of CPU on TF: the default tier must not grow
+        ),
         (_mlp, ["microbatches", "remat", "remat+microbatches", "remat+microbatches"]),
     ],
-    ids=["batchnorm", "mlp"],
+    ids=["batchnorm", "qat", "mlp"],
 )
 def test_ladder_order_depends_on_batch_dependent_layers(build, order):
+    # Regression (qat): a QAT model got micro-batches first, which move its activation ranges
+    # once per slice towards the slice's min and max (weights 0.004-0.009 off the run
+    # without OOM after 3 epochs); remat keeps the batch whole.
     x, y = _data(n=48)
     model = _compile(build(), eager=False)
     oom = OOMUnless(lambda remat, k: remat == "full" and k >= 4)
     h = kp.fit_with_oom_retry(model, x, y, batch_size=16, verbose=0, callbacks=[oom])
     assert [e["strategy"] for e in h.oom_events] == order
     assert [e["microbatches"] for e in h.oom_events] == (
-        [1, 1, 2, 2] if build is _bn_model else [1, 2, 1, 2]
+        [1, 2, 1, 2] if build is _mlp else [1, 1, 2, 2]
     )
     assert (h.model.remat, h.model.microbatches) == ("full", 4)
 
@@ -801,3 +814,147 @@ def test_remat_rung_recovers_exactly_mid_epoch():
     # Weights, Adam slots and the moving statistics.
     assert _max_diff(model, ref) < 1e-6
     assert int(h.model.optimizer.iterations) == int(twin.optimizer.iterations) == 6
+
+
+# The two regressions below take 2-4 s of CPU each on TF (three and one fits): slow tier, on
+# every backend (tests/test_pairs_of_pieces.py covers them with the other pieces, on TF).
+@pytest.mark.slow
+def test_resumed_run_retrying_a_later_epoch_trains_each_epoch_once(tmp_path):
+    # Regression: `BackupAndRestore` sets the epoch a resumed fit starts at on the model; Keras
+    # never clears it and `fit` prefers it to `initial_epoch`, so the retry of epoch 2 of a
+    # model with the train step started at epoch 1 again (history.epoch [1, 1, 2], 12 steps).
+    x, y = _data(n=48)
+
+    def build():
+        return _compile(kp.loss_scaled(_mlp()), eager=False)
+
+    class Interrupt(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            if epoch == 1:
+                raise RuntimeError("interrupted")
+
+    backup = str(tmp_path / "backup")
+    fit = dict(batch_size=16, epochs=3, shuffle=False, verbose=0)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        build().fit(x, y, callbacks=[keras.callbacks.BackupAndRestore(backup), Interrupt()], **fit)
+    model = build()
+    oom = OOMUnless(lambda remat, k: k >= 2, from_step=7)  # epoch 2, step 1
+    h = kp.fit_with_oom_retry(
+        model, x, y, callbacks=[keras.callbacks.BackupAndRestore(backup), oom], **fit
+    )
+    assert [e["epoch"] for e in h.oom_events] == [2] and h.epoch == [1, 2]
+    ref = build()
+    ref.fit(x, y, **fit)
+    assert int(model.optimizer.iterations) == int(ref.optimizer.iterations) == 9
+    assert _max_diff(model, ref) < 1e-5
+
+
+@pytest.mark.slow
+def test_pruned_stock_model_restored_to_its_best_epoch_keeps_the_last_masks():
+    # Regression: after an OOM a stock model goes on as a `kp.loss_scaled` twin, whose
+    # `set_weights` did not mask with the latest pruning masks: EarlyStopping restored the
+    # best epoch's weights (pruned at 42 %) and the model ended less pruned than logged (60 %).
+    x, y = _data(n=48)
+    model = _compile(_mlp(), eager=False)
+    pruning = kp.PruningCallback(kp.PolynomialDecay(0.0, 0.6, 0, 6, frequency=2))
+    # The logged sparsity, lowest first: the best epoch is the first, pruned less than the last.
+    es = kp.EarlyStopping("sparsity", mode="min", patience=5, restore_best_weights=True)
+    oom = OOMUnless(lambda remat, k: k >= 2, from_step=4)  # epoch 1, step 1
+    h = kp.fit_with_oom_retry(
+        model, x, y, batch_size=16, epochs=3, shuffle=False, verbose=0,
+        callbacks=[pruning, es, oom],
+    )  # fmt: skip
+    assert len(h.oom_events) == 1 and h.model is not model and es.best_epoch == 0
+    kernels = [np.array(w) for w in model.trainable_weights if len(w.shape) == 2]
+    zeros = sum(int(np.sum(k == 0)) for k in kernels) / sum(k.size for k in kernels)
+    assert h.history["sparsity"] == pytest.approx([0.42, 0.6, 0.6], abs=0.02)
+    assert zeros == pytest.approx(h.history["sparsity"][-1], abs=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("oom_epoch", [0, 1])
+@pytest.mark.parametrize("pruning", ["magnitude", "channel"])
+def test_retried_epoch_starts_from_the_pruning_state_it_first_started_from(pruning, oom_epoch):
+    # Regressions: the pruning masks (variables outside the model) were not part of the
+    # epoch's snapshot, so a retried epoch trained under the masks its failed attempt had
+    # reached (0.015 off); and ChannelPruningCallback read the step at the first epoch only,
+    # so a retried epoch 0 ran the schedule ahead by the failed steps (0.47 off).
+    # 4 steps per epoch, mask updates at steps 1, 3, 5, 7, 9: each epoch starts without one
+    # and the OOM comes after its two. Remat, the rung here, is exact to the bit.
+    x, y = _data(n=64)
+
+    def run(fit, callbacks=(), remat=None):
+        model = _mlp()
+        if remat is not None:
+            model = kp.loss_scaled(model, remat=remat)
+        _compile(model, eager=False)
+        if pruning == "magnitude":
+            cb = kp.PruningCallback(kp.PolynomialDecay(0.0, 0.6, 1, 9, frequency=2))
+        else:
+            cb = kp.ChannelPruningCallback(kp.PolynomialDecay(0.0, 0.5, 1, 9, frequency=2))
+        fit(model, x, y, batch_size=16, epochs=3, shuffle=False, verbose=0,
+            callbacks=[cb, *callbacks])  # fmt: skip
+        return model, cb
+
+    oom = OOMUnless(lambda remat, k: remat == "full", from_step=4 * oom_epoch + 3)
+    model, cb = run(
+        functools.partial(kp.fit_with_oom_retry, strategies=("remat",)), callbacks=[oom]
+    )
+    ref, ref_cb = run(keras.Model.fit, remat="full")
+    assert [e["epoch"] for e in model.history.oom_events] == [oom_epoch]
+    assert _max_diff(model, ref) < 1e-6
+    assert cb.sparsity == ref_cb.sparsity > 0.4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["sequential", "sequential_pydataset", "subclassed"])
+def test_oom_after_updates_of_the_first_epoch_rolls_back_what_the_first_step_built(kind):
+    # Regression (TensorFlow): the optimizer's slots, and an unbuilt model's weights, are made
+    # in the first traced step, after the first epoch's snapshot; an epoch 0 retried after two
+    # updates went on from the failed attempt's Adam slots (0.025 off the run without OOM) and
+    # a subclassed model's weights too (0.04 off). They are built before the run now.
+    x, y = _data(n=48)
+    if kind == "subclassed":  # the accumulation rung: two batches of 8 per update
+        model = _compile(Net(threshold=8, from_call=2), eager=True)
+        h = kp.fit_with_oom_retry(model, x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+        ref = _compile(Net(), eager=False)
+    else:
+        data = {"x": Batches(x, y, 16)} if kind.endswith("pydataset") else {"x": x, "y": y}
+        model = _compile(_mlp(), eager=False)
+        oom = OOMUnless(lambda remat, k: k >= 2, from_step=2)
+        h = kp.fit_with_oom_retry(model, **data, batch_size=16 if "y" in data else None,
+                                  epochs=2, shuffle=False, verbose=0, callbacks=[oom])  # fmt: skip
+        ref = _compile(kp.loss_scaled(_mlp(), microbatches=2), eager=False)
+    ref.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    assert [e["epoch"] for e in h.oom_events] == [0]
+    assert int(model.optimizer.iterations) == int(ref.optimizer.iterations) == 6
+    assert _max_diff(model, ref) < 1e-5
+
+
+class MixinNet(kp.LossScaleTrainStep, keras.Model):
+    def __init__(self):
+        super().__init__()
+        keras.utils.set_random_seed(0)
+        self.hidden, self.out = keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(3)
+
+    def call(self, x, training=False):
+        return self.out(self.hidden(x))
+
+
+@pytest.mark.slow
+@pytest.mark.backends("tensorflow")
+def test_unbuilt_model_fed_a_dataset_gives_up_when_its_first_epoch_cannot_be_rolled_back():
+    # TensorFlow builds it in the first step, and a dataset is not read ahead to build it
+    # before (that could draw a shuffle): after updates, nothing to roll back to.
+    x, y = _data(n=48)
+    model = _compile(MixinNet(), eager=False)
+    oom = OOMUnless(lambda remat, k: k >= 2, from_step=2)
+    with pytest.raises(RuntimeError, match=r"were made in the failed epoch's first step.*"
+                       r"call it on a batch of data"):  # fmt: skip
+        kp.fit_with_oom_retry(model, Batches(x, y, 16), verbose=0, callbacks=[oom])
+    # An OOM in the first step, before any update, is retried: the variables hold their
+    # initial values.
+    model = _compile(MixinNet(), eager=False)
+    oom = OOMUnless(lambda remat, k: k >= 2)
+    h = kp.fit_with_oom_retry(model, Batches(x, y, 16), verbose=0, callbacks=[oom])
+    assert [e["epoch"] for e in h.oom_events] == [0] and int(model.optimizer.iterations) == 3

@@ -99,15 +99,23 @@ def test_adapted_normalization_and_batchnorm_statistics_survive_quantize_aware(t
 
 
 def test_quantize_aware_and_shrink_keep_the_loss_scaled_train_step_settings(tmp_path):
-    base = keras.Sequential([keras.Input((4,)), keras.layers.Dense(6), keras.layers.Dense(3)])
-    model = kp.loss_scaled(base, microbatches=2, clipnorm=1.0)
+    # Regression: `remat` and `remat_threshold` came back as None from both transforms.
+    base = keras.Sequential([keras.Input((4,)), keras.layers.Dense(6, name="h"),
+                             keras.layers.Dense(3)])  # fmt: skip
+    model = kp.loss_scaled(
+        base, microbatches=2, clipnorm=1.0, remat="larger_than", remat_threshold=3
+    )
     model.initial_scale, model.dynamic_growth_steps = 64.0, 7
     for new in (kp.quantize_aware(model), kp.shrink(model), kp.quantize_aware(kp.shrink(model))):
         assert isinstance(new, kp.LossScaledModel)
         settings = (new.microbatches, new.clipnorm, new.initial_scale, new.dynamic_growth_steps)
         assert settings == (2, 1.0, 64.0, 7)
+        assert (new.remat, new.remat_threshold) == ("larger_than", 3.0)
         loaded = save_load(new, tmp_path / "m.keras")
         assert (loaded.microbatches, loaded.clipnorm) == (2, 1.0)
+        assert (loaded.remat, loaded.remat_threshold) == ("larger_than", 3.0)
+    named = kp.loss_scaled(base, remat=["h"])
+    assert kp.shrink(named).remat == kp.quantize_aware(named).remat == ("h",)
     # and it trains with them: clipnorm=1 bounds the first step's gradient norm
     qat = kp.quantize_aware(model)
     qat.compile(keras.optimizers.SGD(1.0), "mse")
@@ -116,6 +124,22 @@ def test_quantize_aware_and_shrink_keep_the_loss_scaled_train_step_settings(tmp_
     qat.fit(x, 100.0 * np.ones((16, 3), "float32"), batch_size=16, epochs=1, verbose=0)
     moved = [np_(w) - b for w, b in zip(qat.trainable_weights, before)]
     assert np.sqrt(sum((m**2).sum() for m in moved)) == pytest.approx(1.0, rel=1e-3)
+
+
+def test_a_remat_list_the_qat_model_cannot_keep_is_a_clear_error():
+    # A pruned kernel gets a sparsity mask (a non-trainable variable) in the QAT model, and
+    # remat never recomputes a layer with state: the setting cannot be kept as it is.
+    base = keras.Sequential([keras.Input((4,)), keras.layers.Dense(6, name="h"),
+                             keras.layers.Dense(3)])  # fmt: skip
+    kernel = np_(base.get_layer("h").kernel)
+    kernel[:2] = 0.0
+    base.get_layer("h").kernel.assign(kernel)
+    model = kp.loss_scaled(base, remat=["h"])
+    with pytest.raises(ValueError, match=r"remat=\('h',\), which the new model cannot keep.*"
+                       r"\['h'\].*Set `model.remat` to a mode"):  # fmt: skip
+        kp.quantize_aware(model)
+    model.remat = "full"
+    assert kp.quantize_aware(model).remat == "full"
 
 
 # ---------------------------------------------------------------------------------------------

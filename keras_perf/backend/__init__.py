@@ -63,7 +63,7 @@ only what is built on the interface alone: ``is_oom(exc)`` (``is_oom_error`` ove
 exception's causes), ``clear_memory()`` (garbage collection first), ``has_accelerator()``,
 ``step_memory(model, data, run_step)`` (the byte counts of the model's variables and the batch,
 then the implementation's ``step_memory``), and the constants ``BACKEND``,
-``STEP_READS_EXTERNAL_VARIABLES`` and ``STEP_MEMORY_RUNS_STEP``.
+``STEP_READS_EXTERNAL_VARIABLES``, ``STEP_MEMORY_RUNS_STEP`` and ``FIT_BUILDS_IN_FIRST_STEP``.
 
 Re-exported from backend-neutral modules below this package, so that callers reach them here
 too: ``host_memory()`` and ``reset_host_peak_memory()`` (`keras_perf._host_memory`),
@@ -106,6 +106,7 @@ else:
 
 __all__ = [
     "BACKEND",
+    "FIT_BUILDS_IN_FIRST_STEP",
     "STEP_MEMORY_RUNS_STEP",
     "STEP_READS_EXTERNAL_VARIABLES",
     "any_worker",
@@ -206,6 +207,12 @@ def has_accelerator() -> bool:
 #: optimizer's state when it runs (TensorFlow graphs, eager torch), or bakes its value in when
 #: traced (a jitted JAX step receives only that state; see `carry_in_step_state`).
 STEP_READS_EXTERNAL_VARIABLES: bool = BACKEND != "jax"
+
+#: Whether `fit` makes an unbuilt model's weights and the optimizer's slots inside the first
+#: traced train step, after the first epoch began (TensorFlow: Keras defers its symbolic build
+#: there unless a distribution strategy is set), rather than before the first epoch (JAX,
+#: torch).
+FIT_BUILDS_IN_FIRST_STEP: bool = BACKEND == "tensorflow"
 
 #: Whether `step_memory` runs the training step to measure it (TensorFlow, torch: the peak is
 #: read during the step) or compiles it only (JAX: XLA's memory analysis).

@@ -150,6 +150,9 @@ class ChannelPruningCallback(_MaskingCallback):
 
     def on_epoch_begin(self, epoch, logs=None):
         if self._ready:
+            # The step again at every epoch, as PruningCallback reads it: an epoch that
+            # `kp.fit_with_oom_retry` runs again starts from the step it first started at.
+            self._read_step(self.model)
             return
         # The step and the zero channels are read at the first epoch, after every callback's
         # `on_train_begin`: a `BackupAndRestore` listed after this callback has restored the

@@ -15,13 +15,14 @@ How a run recovers, step by step:
    the current `fit` call; any other exception propagates unchanged.
 3. The snapshot is restored, garbage is collected and the backend's cache released, and the
    next rung of the ladder is set (`_rungs.ladder`: remat, i.e. activations recomputed in
-   the backward pass with the batch whole, first for a model with BatchNormalization;
-   micro-batches first otherwise; then the other; then both). For micro-batches the
-   number of micro-batches is doubled: the model has `kp.LossScaleTrainStep` (its
-   `microbatches` is raised) or, for a stock Sequential/Functional model, a `kp.loss_scaled`
-   twin is made that shares the model's layers and optimizer. Each batch keeps its size and
-   each step stays one optimizer update: in-step gradient accumulation equal to the
-   full-batch update, so the optimisation does not change. A subclassed model without the
+   the backward pass with the batch whole, first for a model with BatchNormalization or
+   `kp.quantize_aware` activation ranges; micro-batches first otherwise; then the other;
+   then both). For micro-batches the number of micro-batches is doubled: the model has
+   `kp.LossScaleTrainStep` (its `microbatches` is raised) or, for a stock
+   Sequential/Functional model, a `kp.loss_scaled` twin is made that shares the model's
+   layers and optimizer. Each batch keeps its size and each step stays one optimizer
+   update: in-step gradient accumulation equal to the full-batch update, so the
+   optimisation does not change. A subclassed model without the
    mixin, fed arrays, instead gets half the batch size and an optimizer copy that averages
    twice as many batches per update (Keras' gradient accumulation): the same update again.
 4. `fit` is called again with `initial_epoch` = the failed epoch and the same callbacks.

@@ -15,6 +15,7 @@ import types
 
 import keras
 
+from keras_perf import _keras_internals as keras_internals
 from keras_perf import backend as _backend
 from keras_perf._utils import check_int
 from keras_perf.oom import _state
@@ -36,6 +37,7 @@ from keras_perf.oom._state import (
     _Replay,
     _RunCallbacks,
     _steps,
+    build_state,
 )
 from keras_perf.train_step import LossScaleTrainStep, loss_scaled
 
@@ -192,6 +194,18 @@ class _Run:
         if self.events and self.events[-1]["strategy"] is None:
             return "every rung of `strategies` was tried."
         reason = _cannot_climb(self.fitting, self.array_input, self.weighted)
+        callbacks = self.callbacks
+        if reason is None and callbacks.epoch_in_progress() and callbacks.epoch_steps:
+            # Made in the epoch's first step and trained since: nothing to rewind them to.
+            # (Made in a step that failed, they still hold their initial values.)
+            missing = [v.path for v in callbacks.not_in_snapshot(self.fitting)]
+            if missing:
+                reason = (
+                    f"{len(missing)} variables ({', '.join(missing[:3])}, ...) were made in "
+                    "the failed epoch's first step (TensorFlow builds an unbuilt model there) "
+                    "and trained since, so that epoch cannot be rolled back. Build the model "
+                    "before the run: call it on a batch of data, or `model.build(input_shape)`."
+                )
         if reason is None and len(self.events) > max_retries:
             reason = f"max_retries={max_retries} recoveries were used up."
         if reason is None and self.replay is not None:
@@ -253,6 +267,11 @@ class _Run:
         else:
             self.fitting = loss_scaled(self.fitting, microbatches=nxt, remat=remat)
         self.callbacks.set_model(self.fitting)
+        # A resumed run: `BackupAndRestore` (or `kp.EarlyStopping` rolling back) set the epoch
+        # to resume at on the model in the first `fit`'s `on_train_begin`. Keras never clears
+        # it and `fit` prefers it to `initial_epoch`, so a retry of a later epoch would start
+        # at the resumed one again and train it twice.
+        keras_internals.set_initial_epoch(self.fitting, None)
         if self.replay is not None:  # the failed epoch's batches again, then the next ones
             self.x = self.replay.stream(self.callbacks.steps_done)
         self.epoch = epoch
@@ -294,8 +313,9 @@ def fit_with_oom_retry(
     The ladder: `"remat"` (the model's activations recomputed in the backward pass,
     `remat="full"`: the batch stays whole, the same arithmetic) and `"microbatches"` (twice
     as many micro-batches per step). The rung that keeps training exact comes first: remat
-    for a model with BatchNormalization (micro-batches would normalise each slice with its
-    own statistics), micro-batches otherwise; then the other rung alone; then both, the
+    for a model with BatchNormalization or a `kp.quantize_aware` model (micro-batches would
+    normalise each slice with its own statistics, move the activation ranges towards each
+    slice's min and max), micro-batches otherwise; then the other rung alone; then both, the
     micro-batches doubling at each further error. `strategies` picks and orders the rungs.
 
     Micro-batching comes from the model's own `kp.LossScaleTrainStep` (its `microbatches` is
@@ -380,6 +400,7 @@ def fit_with_oom_retry(
     strategies = check_strategies(strategies)
     run = _Run(model, x, y, batch_size, epochs, initial_epoch, fit_kwargs, strategies)
     _check_min_batch_size(min_batch_size, run.batch)
+    build_state(model, x, y, fit_kwargs.get("sample_weight"))
     try:
         while True:
             try:

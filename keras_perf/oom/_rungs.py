@@ -18,6 +18,7 @@ import keras
 from keras_perf import _keras_internals as keras_internals
 from keras_perf import backend as _backend
 from keras_perf._utils import iter_layers
+from keras_perf.quantization import ActivationQuantizer
 from keras_perf.train_step import LossScaleTrainStep
 
 MICROBATCH = "microbatch"  # keras-perf's train step cuts each batch into micro-batches
@@ -221,9 +222,16 @@ def check_strategies(strategies) -> tuple | None:
     return tuple(strategies)
 
 
+# Layers whose training call reads the batch as a whole: BatchNormalization normalises with
+# the batch's statistics and moves its own; a `kp.quantize_aware` activation quantizer moves
+# its range towards the batch's min and max. Micro-batches would do either once per slice,
+# with the slice's values, so remat (the batch kept whole) is the exact rung for them.
+_BATCH_DEPENDENT = (keras.layers.BatchNormalization, ActivationQuantizer)
+
+
 def batch_dependent(model) -> bool:
-    """Whether a layer of `model` computes with the batch as a whole (BatchNormalization)."""
-    return any(isinstance(layer, keras.layers.BatchNormalization) for layer in iter_layers(model))
+    """Whether a layer of `model` computes with the batch as a whole (`_BATCH_DEPENDENT`)."""
+    return any(isinstance(layer, _BATCH_DEPENDENT) for layer in iter_layers(model))
 
 
 def ladder(model, strategies):

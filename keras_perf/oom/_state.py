@@ -19,7 +19,10 @@ import threading
 import keras
 import numpy as np
 
-from keras_perf._utils import first_tensor
+from keras_perf import _keras_internals as keras_internals
+from keras_perf import backend as _backend
+from keras_perf._utils import first_tensor, iter_layers, map_batch
+from keras_perf.pruning._constraint import constraint_masks
 
 # The input `x`
 
@@ -66,15 +69,45 @@ def _steps(x, batch_size, fit_kwargs):
 
 
 def _state_variables(model) -> list:
-    """Every variable a train step changes, except metrics (reset at each epoch anyway)."""
+    """Every variable a train step changes, except metrics (reset at each epoch anyway), and
+    the pruning masks on the weights' constraints, which the pruning callbacks change before
+    a step: a retried epoch starts from the masks its first attempt started from."""
     variables, seen = [], set()
     optimizer = getattr(model, "optimizer", None)
     extra = list(optimizer.variables) if optimizer is not None else []
-    for v in list(model.variables) + extra:
+    masks = [m for v in model.variables for m in constraint_masks(v)]
+    for v in list(model.variables) + extra + masks:
         if id(v) not in seen:
             seen.add(id(v))
             variables.append(v)
     return variables
+
+
+def build_state(model, x, y, sample_weight) -> None:
+    """Create now every variable the first train step would create, so that the first
+    epoch's snapshot holds them.
+
+    TensorFlow (without a distribution strategy) builds an unbuilt model and the optimizer's
+    slots inside the first traced step, after the epoch began; an epoch 0 retried after an
+    OOM would otherwise keep the slots (and weights) its failed attempt had trained. JAX and
+    torch build them before `fit`'s first epoch anyway (`_backend.FIT_BUILDS_IN_FIRST_STEP`),
+    and are left to it. Arrays give a one-example batch to build an unbuilt model from (as
+    Keras does, symbolically: no value changes); other inputs are not read (that could draw
+    a shuffle), so only the optimizer of a built model is built.
+    """
+    if not _backend.FIT_BUILDS_IN_FIRST_STEP:
+        return
+    optimizer = getattr(model, "optimizer", None)
+    unbuilt = not model.built or not all(layer.built for layer in iter_layers(model))
+    if not unbuilt and (optimizer is None or optimizer.built):
+        return
+    if _is_array_input(x):
+        batch = map_batch(lambda t: t[:1], (x, y, sample_weight))
+        with _backend.model_scope(model):
+            keras_internals.symbolic_build(model, batch)
+    elif not unbuilt:
+        with _backend.model_scope(model):
+            optimizer.build(model.trainable_variables)
 
 
 def _snapshot(model, variables=None) -> list:
@@ -245,6 +278,11 @@ class _RunCallbacks(keras.callbacks.CallbackList):
             self.replay.keep_from(self.steps_done)
         self.begun_epoch, self._epoch_steps = epoch, 0
         super().on_epoch_begin(epoch, logs)
+        # Variables a callback made just now (the pruning callbacks install their masks at
+        # the first epoch): the epoch starts from the values they were made with.
+        made = self.not_in_snapshot(self.model)
+        if made:
+            self.snapshot += _snapshot(self.model, made)
 
     def on_train_batch_end(self, batch, logs=None):
         self._epoch_steps = batch + 1  # `batch` is the last step of the execution
@@ -254,6 +292,17 @@ class _RunCallbacks(keras.callbacks.CallbackList):
         super().on_epoch_end(epoch, logs)
         self.completed_epoch = epoch
         self.steps_done += self._epoch_steps
+
+    @property
+    def epoch_steps(self) -> int:
+        """Training steps of the epoch in progress that completed."""
+        return self._epoch_steps
+
+    def not_in_snapshot(self, model) -> list:
+        """The state variables of `model` that the epoch's snapshot does not hold: made after
+        it was taken, which a rewind would miss."""
+        known = {id(v) for v, _ in self.snapshot or []}
+        return [v for v in _state_variables(model) if id(v) not in known]
 
     def epoch_in_progress(self) -> bool:
         return self.begun_epoch is not None and self.begun_epoch != self.completed_epoch

@@ -216,6 +216,14 @@ class PruningCallback(_MaskingCallback):
         self._plan_checked = False
         self._missed = None
 
+    def set_model(self, model):
+        super().set_model(model)
+        # Pointed at another model in the middle of a fit (`kp.fit_with_oom_retry` goes on
+        # with a `kp.loss_scaled` twin that shares the layers): its `set_weights` masks too,
+        # or a best-weights restore through it would bring pruned entries back.
+        if self._ready and model is not None:
+            _guard_set_weights(model)
+
     def _claim(self, model) -> None:
         """Refuse a second PruningCallback on the same model in the same `fit`.
 

@@ -26,6 +26,16 @@ class _MaskConstraint:
         return ops.multiply(w, ops.cast(self.mask, w.dtype))
 
 
+def constraint_masks(variable) -> list:
+    """The mask variables installed on `variable` by pruning (magnitude and channel masks
+    chain through each other's `original`), outermost first; [] when it has none."""
+    masks, constraint = [], getattr(variable, "constraint", None)
+    while isinstance(constraint, _MaskConstraint):
+        masks.append(constraint.mask)
+        constraint = constraint.original
+    return masks
+
+
 def _refresh_train_step(
     model, masks_changed: bool, constraints_changed: bool, masks_carried: bool = False
 ) -> None:

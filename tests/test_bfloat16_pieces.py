@@ -299,3 +299,13 @@ def test_bfloat16_trained_model_exports_to_tflite_as_its_float32_twin(tmp_path):
     got = kp.tflite_predict(tmp_path / "m.tflite", x)
     np.testing.assert_allclose(got, plain.predict(x, verbose=0), atol=1e-5)
     np.testing.assert_allclose(got, np_(model(x)), **OUT_TOL)
+
+
+# -- accuracy: bfloat16 within float32's seed spread (benchmarks/bench_bf16_accuracy.py) ------
+@pytest.mark.slow
+def test_digits_mlp_accuracy_under_bfloat16_is_within_float32_seed_spread():
+    from benchmarks.bench_bf16_accuracy import compare
+
+    result = compare("mlp", epochs=30)
+    assert result["within_spread"], result
+    assert min(result["accuracy"]["mixed_bfloat16"]) > 0.9

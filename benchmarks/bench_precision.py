@@ -4,12 +4,15 @@ Four models (the MLP 1024-2048-2048-10 at batch 512; a CNN conv 64-64-pool-128-G
 at batch 128; a Transformer encoder, d=256, 4 heads, 2 blocks, sequence 128, batch 32; and
 `keras.applications.ResNet50(weights=None)` at 64x64, batch 32), each trained whole epochs of
 `fit` under both policies, A B B A, median of the ratios (wall and process CPU time). The ratio
-is float32 time / mixed_bfloat16 time: above 1, bfloat16 is faster. Beside the MLP, the bare
-framework's floor: the same MLP step written on bare TensorFlow (`tf.function`, bfloat16 casts),
-torch (`torch.autocast("cpu", torch.bfloat16)`) or JAX (`jax.jit`, bfloat16 casts), SGD.
-The last row is `kp.setup_mixed_precision("auto")`: its pick and its speed over float32 on the
-slowest model (1.0 where it picks float32). Targets on a CPU with AMX/AVX-512 BF16 units,
-TensorFlow: >= 1.8x on the MLP and the CNN; `auto` never slower than float32 (>= 1.0).
+is float32 time / mixed_bfloat16 time: above 1, bfloat16 is faster. Per model, three rows of
+that ratio: plain `fit`, `fit` of `kp.loss_scaled(model)` (keras-perf's train step), and the
+bare framework's floor (benchmarks/_precision_floors.py: the same model's training step on bare
+TensorFlow, JAX or torch, `torch.autocast("cpu", torch.bfloat16)` on torch, the same number
+of steps); then our step against the floor, both in bfloat16 (time of `kp.loss_scaled`'s
+epoch over the floor's). The last row is `kp.setup_mixed_precision("auto")`: its pick and its
+speed over float32 on the slowest model (1.0 where it picks float32). Targets on a CPU with
+AMX/AVX-512 BF16 units: TensorFlow >= 1.8x on the MLP and the CNN; torch's `kp.loss_scaled`
+within 10 % of the autocast floor (<= 1.10); `auto` never slower than float32 (>= 1.0).
 
     KERAS_BACKEND=tensorflow python -m benchmarks.bench_precision [--quick] [--json PATH]
         [--models mlp,cnn,transformer,resnet50]   # --quick alone: mlp,cnn, 2 steps per epoch
@@ -85,124 +88,40 @@ def _build(name: str, policy: str):
     return model, rng.standard_normal((batch, *shape), dtype=np.float32), batch, rng
 
 
-def _epochs(name: str, steps: int):
-    """One-epoch callables for float32 and mixed_bfloat16 (each built under its own policy)."""
+def _epochs(name: str, steps: int) -> dict:
+    """One-epoch callables `{(variant, policy): fn}`, each warmed up: "keras" (plain `fit`),
+    "loss_scaled" (`fit` of `kp.loss_scaled(model)`) and "floor" (the same model's step on
+    the bare framework, `steps` calls), under float32 and mixed_bfloat16."""
     import keras
+
+    import keras_perf as kp
+
+    from ._precision_floors import precision_floor
 
     fns = {}
     for policy in ("float32", "mixed_bfloat16"):
-        model, x1, batch, rng = _build(name, policy)
-        x = np.concatenate([x1] * steps)
-        y = rng.integers(0, 10, len(x))
+        for variant in ("keras", "loss_scaled"):
+            model, x1, batch, rng = _build(name, policy)
+            if variant == "loss_scaled":
+                model = kp.loss_scaled(model)
+            x = np.concatenate([x1] * steps)
+            y = rng.integers(0, 10, len(x))
 
-        def epoch(model=model, x=x, y=y, batch=batch):
-            model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+            def epoch(model=model, x=x, y=y, batch=batch):
+                model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
 
-        epoch()  # trace, warm up
-        fns[policy] = epoch
-    keras.mixed_precision.set_global_policy("float32")
-    return fns
+            epoch()  # trace, warm up
+            fns[variant, policy] = epoch
+        keras.mixed_precision.set_global_policy("float32")
+        step = precision_floor(name, x1, y[:batch], policy.replace("mixed_", ""))
 
-
-def _floor(steps: int):
-    """One-epoch callables of the bare-framework MLP step, float32 and bfloat16."""
-    import keras
-
-    backend = keras.backend.backend()
-    rng = np.random.default_rng(0)
-    sizes = (1024, 2048, 2048, 10)
-    weights = [
-        (rng.standard_normal((a, b), dtype=np.float32) * 0.02, np.zeros(b, np.float32))
-        for a, b in zip(sizes, sizes[1:])
-    ]
-    x = rng.standard_normal((512, 1024), dtype=np.float32)
-    y = rng.integers(0, 10, 512)
-    make = {"tensorflow": _tf_step, "torch": _torch_step, "jax": _jax_step}[backend]
-    out = {}
-    for dtype in ("float32", "bfloat16"):
-        step = make(weights, x, y, dtype)
-        step()
-
-        def epoch(step=step):
+        def floor_epoch(step=step):
             for _ in range(steps):
                 step()
 
-        out[dtype] = epoch
-    return out
-
-
-def _tf_step(weights, x, y, dtype):
-    import tensorflow as tf
-
-    params = [tf.Variable(w) for pair in weights for w in pair]
-    x, y = tf.constant(x), tf.constant(y)
-
-    @tf.function
-    def step():
-        with tf.GradientTape() as tape:
-            h = tf.cast(x, dtype)
-            for i in range(0, len(params), 2):
-                h = tf.matmul(h, tf.cast(params[i], dtype)) + tf.cast(params[i + 1], dtype)
-                h = tf.nn.relu(h) if i < len(params) - 2 else h
-            loss = tf.reduce_mean(
-                tf.nn.sparse_softmax_cross_entropy_with_logits(y, tf.cast(h, "float32"))
-            )
-        for p, g in zip(params, tape.gradient(loss, params)):
-            p.assign_sub(1e-3 * g)
-        return loss
-
-    return lambda: float(step())
-
-
-def _torch_step(weights, x, y, dtype):
-    import torch
-
-    params = [torch.tensor(w, requires_grad=True) for pair in weights for w in pair]
-    opt = torch.optim.SGD(params, lr=1e-3)
-    x, y = torch.tensor(x), torch.tensor(y)
-
-    def step():
-        opt.zero_grad()
-        with torch.autocast("cpu", torch.bfloat16, enabled=dtype == "bfloat16"):
-            h = x
-            for i in range(0, len(params), 2):
-                h = h @ params[i] + params[i + 1]
-                h = torch.relu(h) if i < len(params) - 2 else h
-        loss = torch.nn.functional.cross_entropy(h.float(), y)
-        loss.backward()
-        opt.step()
-        return float(loss)
-
-    return step
-
-
-def _jax_step(weights, x, y, dtype):
-    import jax
-    import jax.numpy as jnp
-
-    params = [jnp.asarray(w) for pair in weights for w in pair]
-
-    def loss_fn(params):
-        h = x.astype(dtype)
-        for i in range(0, len(params), 2):
-            h = h @ params[i].astype(dtype) + params[i + 1].astype(dtype)
-            h = jax.nn.relu(h) if i < len(params) - 2 else h
-        logp = jax.nn.log_softmax(h.astype("float32"))
-        return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=1))
-
-    @jax.jit
-    def update(params):
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        return [p - 1e-3 * g for p, g in zip(params, grads)], loss
-
-    x, y = jnp.asarray(x), jnp.asarray(y)
-    state = {"p": params}
-
-    def step():
-        state["p"], loss = update(state["p"])
-        return float(loss)
-
-    return step
+        fns["floor", policy] = floor_epoch
+    keras.mixed_precision.set_global_policy("float32")
+    return fns
 
 
 def main() -> None:
@@ -215,23 +134,23 @@ def main() -> None:
     rows, ratios = [], {}
     for name in args.models:
         fns = _epochs(name, steps)
-        result = abba(fns["mixed_bfloat16"], fns["float32"], repeats=repeats)
-        ratios[name] = result["cpu_ratio"]
-        target = ">= 1.8x" if name in ("mlp", "cnn") else "(figure)"
-        rows.append(
-            row(
-                f"fit epoch float32 / mixed_bfloat16 time: {name}",
-                result,
-                target,
-                note=f"{steps} steps/epoch",
-            )
-        )
-        if name == "mlp":
-            floor = _floor(steps)
-            f = abba(floor["bfloat16"], floor["float32"], repeats=repeats)
-            rows.append(
-                row("  bare-framework floor, same MLP step (SGD)", f, "(figure)", note="floor")
-            )
+        for variant, claim in (
+            ("keras", "fit epoch"),
+            ("loss_scaled", "kp.loss_scaled fit epoch"),
+            ("floor", "  bare-framework floor, same steps"),
+        ):
+            result = abba(fns[variant, "mixed_bfloat16"], fns[variant, "float32"], repeats)
+            if variant == "keras":
+                ratios[name] = result["cpu_ratio"]
+            target = ">= 1.8x (TF)" if variant == "keras" and name in ("mlp", "cnn") else "(figure)"
+            rows.append(row(f"{claim} float32 / mixed_bfloat16 time: {name}", result, target,
+                            note=f"{steps} steps/epoch"))  # fmt: skip
+        result = abba(fns["floor", "mixed_bfloat16"], fns["loss_scaled", "mixed_bfloat16"], repeats)
+        rows.append(row(f"  kp.loss_scaled / floor time, both mixed_bfloat16: {name}", result,
+                        "<= 1.10 (torch)", note="our step against the bare framework's"))  # fmt: skip
+        del fns
+        for r in rows[-4:]:  # as it goes: a model can take long where bfloat16 is emulated
+            print(f"{r['claim']:<60} cpu {r['cpu_ratio']} wall {r['wall_ratio']}", flush=True)
     slowest = min(ratios, key=ratios.get) if ratios else None
     auto_ratio = ratios[slowest] if auto == "mixed_bfloat16" and slowest else 1.0
     rows.append(

@@ -37,6 +37,7 @@ __all__ = [
     "aggregate_additional_loss",
     "autocast_dtype",
     "autocast_scope",
+    "master_value",
     "callback_model",
     "compiled_loss",
     "compute_output_spec",
@@ -171,6 +172,17 @@ def autocast_dtype():
 def autocast_scope(dtype):
     """A context casting float variables to `dtype` as a layer call does (None: nothing)."""
     return contextlib.nullcontext() if dtype is None else AutocastScope(dtype)
+
+
+def master_value(variable):
+    """`variable`'s own value, in its own dtype, also inside a layer call that casts float
+    variables to a mixed-precision compute dtype (Keras: `AutocastScope(None)` casts nothing).
+    `.value` is read inside the scope (`convert_to_tensor` on TensorFlow returns the Keras
+    variable itself, cast when read later); on TensorFlow it is a `tf.Variable`, read into a
+    tensor by `ops.copy` (`tf.identity`), as some Keras ops want a tensor."""
+    with AutocastScope(None):
+        value = variable.value
+    return keras.ops.copy(value) if keras.backend.backend() == "tensorflow" else value
 
 
 def added_losses(layer) -> bool:

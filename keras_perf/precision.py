@@ -29,6 +29,9 @@ SPEEDUP_THRESHOLD = 1.3
 # Half-precision units a CPU advertises in /proc/cpuinfo (Linux).
 _CPU_FLAGS = ("amx_bf16", "avx512_bf16", "amx_fp16", "avx512_fp16", "amx_tile")
 _CACHE: dict = {}
+# On a CPU, a half dtype whose warm-up call costs over _GIVE_UP times float32's call is not
+# timed further: far from the 1.3x auto needs (see `_measure_kernels`).
+_GIVE_UP = 4.0
 
 
 class PrecisionReport(ReadOnlyReport):
@@ -101,11 +104,18 @@ def _device() -> dict:
     return info
 
 
-def _time_calls(fn, on_cpu: bool, budget_s: float, min_calls: int = 3, max_calls: int = 30):
+def _time_calls(
+    fn, on_cpu: bool, budget_s: float, min_calls: int = 3, max_calls: int = 30, give_up_s=None
+):
     """Seconds per call of `fn` (one warm-up call first): (min wall time, median cost), the
     cost being process CPU time on a CPU (other processes' load does not inflate it) and wall
-    time on an accelerator."""
+    time on an accelerator. A warm-up call costing more than `give_up_s` is the measurement
+    (its one-time costs only make it slower)."""
+    w, c = time.perf_counter(), time.process_time()
     fn()
+    first = (time.perf_counter() - w, time.process_time() - c)
+    if give_up_s is not None and first[1 if on_cpu else 0] > give_up_s:
+        return first[0], max(first[1 if on_cpu else 0], 1e-9)
     walls, cpus = [], []
     start = time.perf_counter()
     while len(walls) < max_calls and (
@@ -119,23 +129,30 @@ def _time_calls(fn, on_cpu: bool, budget_s: float, min_calls: int = 3, max_calls
     return min(walls), max(cost, 1e-9)
 
 
+def _flops(op: str, size: int) -> float:
+    return 2.0 * size**3 if op == "matmul" else 2.0 * 16 * size**2 * 64 * 64 * 9
+
+
 def _measure_kernels(on_cpu: bool) -> dict:
     """`{op: {dtype: (tflops or None, cost per call or None)}}` for matmul and conv."""
     size = {"matmul": 768, "conv": 16} if on_cpu else {"matmul": 4096, "conv": 64}
-    flops = {
-        "matmul": 2.0 * size["matmul"] ** 3,
-        "conv": 2.0 * 16 * size["conv"] ** 2 * 64 * 64 * 9,
-    }
     out = {}
     for op in ("matmul", "conv"):
         out[op] = {}
+        flops = _flops(op, size[op])
         for dtype in DTYPES:
+            f32 = out[op].get("float32", (None, None))[1]
+            # On a CPU without bfloat16/float16 units these are emulated: torch's bfloat16
+            # 768x768 matmul costs about 5 s of CPU on an AVX2 EPYC, 100x float32; its
+            # warm-up call is then the measurement (the report is meant to take a second).
+            give_up = f32 * _GIVE_UP if on_cpu and f32 is not None else None
             try:
-                wall, cost = _time_calls(_backend.kernel_op(op, dtype, size[op]), on_cpu, 0.05, 2)
+                fn = _backend.kernel_op(op, dtype, size[op])
+                wall, cost = _time_calls(fn, on_cpu, 0.05, 2, give_up_s=give_up)
             except Exception:  # noqa: BLE001 - a dtype without a kernel here cannot run: None
                 out[op][dtype] = (None, None)
                 continue
-            out[op][dtype] = (flops[op] / wall / 1e12, cost)
+            out[op][dtype] = (flops / wall / 1e12, cost)
     return out
 
 
@@ -298,7 +315,8 @@ def measured_peak_flops(dtype: str) -> float | None:
 def precision_report(refresh: bool = False) -> PrecisionReport:
     """Measure which precision is fastest on this backend and device; cached per process.
 
-    Times a matmul and a 3x3 convolution in float32, bfloat16 and float16 (about a second),
+    Times a matmul and a 3x3 convolution in float32, bfloat16 and float16 (about a second;
+    on a CPU, a half dtype whose first call is over 4x slower than float32 is timed once),
     then, on a CPU whose bfloat16 kernels are at least `SPEEDUP_THRESHOLD` (1.3) times as fast
     as float32, a Keras training step of a small Dense and a small Conv model under each of
     `float32` and `mixed_bfloat16` (a few seconds more, mostly tracing). `"auto"` picks

@@ -1,6 +1,7 @@
 """kp.precision_report and the measured choice of setup_mixed_precision("auto")."""
 
 import json
+import time
 
 import keras
 import pytest
@@ -167,3 +168,20 @@ def test_check_is_quiet_about_a_policy_measured_faster(fake):
         assert findings and not [f for f in findings if "measured slower" in f], findings
     keras.mixed_precision.set_global_policy("float32")
     assert check_mixed_precision(_softmax_mlp()) == []
+
+
+def test_a_half_dtype_far_slower_than_float32_is_timed_once():
+    """An emulated dtype (torch's bfloat16 on a CPU without bf16 units: seconds a matmul) is
+    measured by its warm-up call alone, so the report stays about a second."""
+    calls = []
+
+    def slow():
+        calls.append(1)
+        end = time.process_time() + 0.02
+        while time.process_time() < end:
+            pass
+
+    wall, cost = precision._time_calls(slow, True, 0.0, 2, give_up_s=0.005)
+    assert len(calls) == 1 and cost >= 0.02 and wall > 0
+    precision._time_calls(slow, True, 0.0, 2, give_up_s=1.0)
+    assert len(calls) == 1 + 3  # warm-up and two timed calls where it is not far slower

@@ -15,6 +15,7 @@ from __future__ import annotations
 import keras
 from keras import ops
 
+from keras_perf import _keras_internals as keras_internals
 from keras_perf.quantization._quantizers import WEIGHT_BITS, check_bits, fake_quant_kernel
 
 # Export: id(layer) -> numpy fake-quantized kernel, used as a constant while the model is
@@ -82,7 +83,10 @@ class QuantizedKernelMixin:
         return (len(self.kernel.shape) - 1,)
 
     def masked_kernel(self):
-        k = self.kernel
+        """The kernel times its sparsity mask, in the variable's dtype (float32 under a mixed
+        policy: fake quantization of the bfloat16/float16-rounded kernel with a half-precision
+        scale would put the weights on another grid than the exported int8 file's)."""
+        k = keras_internals.master_value(self.kernel)
         if self.kernel_mask is not None:
             k = ops.multiply(k, ops.cast(self.kernel_mask, k.dtype))
         return k
@@ -91,8 +95,9 @@ class QuantizedKernelMixin:
         """The fake-quantized kernel this layer computes with."""
         constant = EXPORT_KERNELS.get(id(self))
         if constant is not None:
-            return ops.convert_to_tensor(constant)
-        return fake_quant_kernel(self.masked_kernel(), self.weight_bits, self.channel_axes())
+            return ops.cast(constant, self.compute_dtype)
+        q = fake_quant_kernel(self.masked_kernel(), self.weight_bits, self.channel_axes())
+        return ops.cast(q, self.compute_dtype)  # quantized in float32, rounded once
 
     def _finish(self, x):
         if self.activation is not None:

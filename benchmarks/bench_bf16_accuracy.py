@@ -14,7 +14,6 @@ slower, with the same rounding).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 
 SEEDS = (0, 1, 2)
@@ -81,6 +80,8 @@ def compare(name: str, epochs: int, seeds=SEEDS) -> dict:
 def main() -> None:
     import keras
 
+    from ._harness import finish, row
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer epochs (a smoke run)")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
@@ -96,12 +97,24 @@ def main() -> None:
             f"{r['mean']['float32']:.4f} / {r['mean']['mixed_bfloat16']:.4f}  within float32's "
             f"spread (+-1/360): {r['within_spread']}"
         )
-    if args.json:
-        from keras_perf.bench import machine
-
-        with open(args.json, "w") as f:
-            json.dump({"machine": machine(), "backend": keras.backend.backend(),
-                       "results": results}, f, indent=1)  # fmt: skip
+    rows = [
+        row(
+            f"digits {r['model'].upper()} test accuracy, mixed_bfloat16 mean / float32 mean "
+            f"({r['epochs']} epochs, {len(r['seeds'])} seeds)",
+            {
+                "wall_ratio": r["mean"]["mixed_bfloat16"] / r["mean"]["float32"],
+                "repeats": len(r["seeds"]),
+            },
+            "within float32's seed spread",
+            note=(
+                f"accuracy float32 {[round(v, 4) for v in r['accuracy']['float32']]}, "
+                f"mixed_bfloat16 {[round(v, 4) for v in r['accuracy']['mixed_bfloat16']]}; within float32's spread (+-1/360): "
+                f"{r['within_spread']} (ratio in the wall column)"
+            ),
+        )
+        for r in results
+    ]
+    finish(rows, args)
 
 
 if __name__ == "__main__":

@@ -105,6 +105,9 @@ def ladder_row(name, build, rung, x, y, batch, repeats) -> dict:
         cpu.append((b1[1] + b2[1]) / (a1[1] + a2[1]))
         extra.append((b1[0] + b2[0] - a1[0] - a2[0]) / 2)
     events = [(e["epoch"], e["strategy"]) for e in out["events"]]
+    expected = [(1, "remat" if "remat" in rung else "microbatches")]
+    if events != expected:  # else the weights would be compared with the wrong run
+        raise RuntimeError(f"{name}: the ladder took {events}, expected {expected}")
     diff = _max_diff(out["model"], out["ref"])
     result = {
         "wall_ratio": statistics.median(wall),

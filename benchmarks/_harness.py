@@ -186,6 +186,23 @@ def row(claim: str, result: dict, target: str, backend: str | None = None, note:
     }
 
 
+def accuracy_row(claim: str, accuracies, target: str, note: str = "") -> dict:
+    """A table row of accuracies over seeds: the mean in the ratio column, min-max beside it."""
+    import keras
+
+    return {
+        "claim": claim,
+        "backend": keras.backend.backend(),
+        "wall_ratio": round(float(statistics.mean(accuracies)), 4),
+        "cpu_ratio": None,
+        "wall_spread": [round(min(accuracies), 4), round(max(accuracies), 4)],
+        "cpu_spread": [],
+        "repeats": len(accuracies),
+        "target": target,
+        "note": note,
+    }
+
+
 def digits():
     """scikit-learn's bundled digits scaled to [0, 1], split 1437/360 in a fixed order."""
     from keras_perf.data import load_digits_split

@@ -333,7 +333,7 @@ def _jax(model, params, x, y, dtype):
     import jax
     import jax.numpy as jnp
 
-    from ._floors import _jax_adam
+    from ._floors import _jax_adam, _jax_runner
 
     names = sorted(params)
     ops = _JaxOps()
@@ -346,17 +346,7 @@ def _jax(model, params, x, y, dtype):
     def step(state, xs, ys):
         return _jax_adam(state, jax.grad(loss_fn)(state[0], xs, ys))
 
-    step = jax.jit(step, donate_argnums=0)
-    ws = [jnp.asarray(params[n]) for n in names]
-    holder = {"state": (ws, [jnp.zeros_like(w) for w in ws], [jnp.zeros_like(w) for w in ws],
-                        jnp.float32(0))}  # fmt: skip
-    xs, ys = jnp.asarray(x), jnp.asarray(y)
-
-    def run():
-        holder["state"] = step(holder["state"], xs, ys)
-        return jax.block_until_ready(holder["state"])
-
-    return run
+    return _jax_runner(step, [params[n] for n in names], x, y)
 
 
 # -- PyTorch: NCHW, torch.autocast -----------------------------------------------------------

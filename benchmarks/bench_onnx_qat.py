@@ -37,7 +37,7 @@ import keras_perf as kp
 from keras_perf.backend import onnx as _onnx
 from keras_perf.export._onnx import _Reader
 
-from ._harness import digits, finish, parse_args
+from ._harness import accuracy_row, digits, finish, parse_args
 from .bench_qat import BATCH, EPOCHS, FINE_TUNE_LR, accuracy, cnn, compile_
 
 CALIBRATION = 200
@@ -130,19 +130,8 @@ def main():
                 f"vs PTQ: {np.mean(v) - np.mean(ptq):+.4f}, >= on {wins}/{len(v)} seeds; "
                 f"vs the control's PTQ: {np.mean(v) - np.mean(control):+.4f}; "
             )
-        rows.append(
-            {
-                "claim": f"digits accuracy: {k}",
-                "backend": keras.backend.backend(),
-                "wall_ratio": round(float(np.mean(v)), 4),
-                "cpu_ratio": None,
-                "wall_spread": [round(min(v), 4), round(max(v), 4)],
-                "cpu_spread": [],
-                "repeats": len(v),
-                "target": target,
-                "note": note + f"accuracy mean (min-max); vs float {np.mean(v) - float_mean:+.4f}",
-            }
-        )
+        note += f"accuracy mean (min-max); vs float {np.mean(v) - float_mean:+.4f}"
+        rows.append(accuracy_row(f"digits accuracy: {k}", v, target, note))
     finish(rows, args)
 
 

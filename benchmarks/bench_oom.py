@@ -76,6 +76,25 @@ class OOMMidEpoch(keras.callbacks.Callback):
             raise kp.backend.oom_error("Out of memory while trying to allocate 1.00GiB (injected).")
 
 
+def abba_seconds(a, b, repeats) -> tuple[dict, list]:
+    """A B B A as in `_harness.abba`, keeping the wall seconds B costs over A per pair too
+    (recovery is a fixed cost, read in seconds): (the ratios as `abba` gives them, seconds)."""
+    wall, cpu, extra = [], [], []
+    for _ in range(repeats):
+        a1, b1, b2, a2 = timed(a), timed(b), timed(b), timed(a)
+        wall.append((b1[0] + b2[0]) / (a1[0] + a2[0]))
+        cpu.append((b1[1] + b2[1]) / (a1[1] + a2[1]))
+        extra.append((b1[0] + b2[0] - a1[0] - a2[0]) / 2)
+    result = {
+        "wall_ratio": statistics.median(wall),
+        "cpu_ratio": statistics.median(cpu),
+        "wall_spread": (min(wall), max(wall)),
+        "cpu_spread": (min(cpu), max(cpu)),
+        "repeats": len(wall),
+    }
+    return result, extra
+
+
 def _max_diff(a, b) -> float:
     return max(
         float(np.max(np.abs(np.asarray(u) - np.asarray(v)))) if np.size(u) else 0.0
@@ -98,24 +117,12 @@ def ladder_row(name, build, rung, x, y, batch, repeats) -> dict:
         out["model"], out["events"] = h.model, h.oom_events
 
     from_start(), recovering()  # warm up
-    wall, cpu, extra = [], [], []
-    for _ in range(repeats):
-        a1, b1, b2, a2 = timed(from_start), timed(recovering), timed(recovering), timed(from_start)
-        wall.append((b1[0] + b2[0]) / (a1[0] + a2[0]))
-        cpu.append((b1[1] + b2[1]) / (a1[1] + a2[1]))
-        extra.append((b1[0] + b2[0] - a1[0] - a2[0]) / 2)
+    result, extra = abba_seconds(from_start, recovering, repeats)
     events = [(e["epoch"], e["strategy"]) for e in out["events"]]
     expected = [(1, "remat" if "remat" in rung else "microbatches")]
     if events != expected:  # else the weights would be compared with the wrong run
         raise RuntimeError(f"{name}: the ladder took {events}, expected {expected}")
     diff = _max_diff(out["model"], out["ref"])
-    result = {
-        "wall_ratio": statistics.median(wall),
-        "cpu_ratio": statistics.median(cpu),
-        "wall_spread": (min(wall), max(wall)),
-        "cpu_spread": (min(cpu), max(cpu)),
-        "repeats": len(wall),
-    }
     setting = ", ".join(f"{k}={v!r}" for k, v in rung.items())
     return row(
         f"OOM ladder, {name}: OOM at epoch 1 step 2, recovered vs {setting} from the start",
@@ -169,20 +176,7 @@ def main():
             raise RuntimeError(f"expected one OOM event, got {h.oom_events}")
 
     surviving(), recovering()  # warm up imports and caches
-    # ABBA as in _harness.abba, keeping the absolute times too (recovery is a fixed cost).
-    wall, cpu, extra = [], [], []
-    for _ in range(1 if args.quick else repeats):
-        a1, b1, b2, a2 = timed(surviving), timed(recovering), timed(recovering), timed(surviving)
-        wall.append((b1[0] + b2[0]) / (a1[0] + a2[0]))
-        cpu.append((b1[1] + b2[1]) / (a1[1] + a2[1]))
-        extra.append((b1[0] + b2[0] - a1[0] - a2[0]) / 2)
-    result = {
-        "wall_ratio": statistics.median(wall),
-        "cpu_ratio": statistics.median(cpu),
-        "wall_spread": (min(wall), max(wall)),
-        "cpu_spread": (min(cpu), max(cpu)),
-        "repeats": len(wall),
-    }
+    result, extra = abba_seconds(surviving, recovering, 1 if args.quick else repeats)
     rows.append(
         row(
             "recover from 1 OOM at step 0 vs start micro-batched (fresh model, 1 epoch)",

@@ -41,7 +41,7 @@ import numpy as np
 
 import keras_perf as kp
 
-from ._harness import digits, finish, interleaved, one_step, parse_args, row
+from ._harness import accuracy_row, digits, finish, interleaved, one_step, parse_args, row
 
 BATCH = 32
 EPOCHS = 10
@@ -193,19 +193,8 @@ def accuracy_rows(x, y, xv, yv, seeds, epochs):
             target = ">= float - 0.01"
             if tfmot and "w8" in k:
                 target += ", >= tfmot - seed spread"
-        rows.append(
-            {
-                "claim": f"digits accuracy: {k}",
-                "backend": keras.backend.backend(),
-                "wall_ratio": round(float(np.mean(v)), 4),
-                "cpu_ratio": None,
-                "wall_spread": [round(min(v), 4), round(max(v), 4)],
-                "cpu_spread": [],
-                "repeats": len(v),
-                "target": target,
-                "note": f"accuracy mean (min-max over seeds); vs float {np.mean(v) - float_mean:+.4f}",
-            }
-        )
+        note = f"accuracy mean (min-max over seeds); vs float {np.mean(v) - float_mean:+.4f}"
+        rows.append(accuracy_row(f"digits accuracy: {k}", v, target, note))
     return rows
 
 

@@ -1,9 +1,11 @@
 """TrainingMonitor and its EpochMeter: counts, timing, JSONL, summary, plot, CSV, TensorBoard."""
 
 import errno
+import functools
 import gc
 import json
 import os
+import subprocess
 import sys
 import warnings
 
@@ -205,8 +207,8 @@ def test_counts_with_short_last_batch_validation_and_steps_per_execution(digits,
         assert r["examples_per_s"] == pytest.approx(203 / r["epoch_time_s"])
         assert r["steps_per_s"] == pytest.approx(7 / r["epoch_time_s"])
         assert 0 < r["step_time_ms_p50"] <= r["step_time_ms_p90"]
-        assert r["peak_memory_bytes"] > 50e6
-        assert r["memory_device"] in ("host", "GPU:0") or "cuda" in r["memory_device"]
+        assert r["peak_memory_bytes"] > 0
+        assert r["memory_measure"] in _MEASURES, r
         assert np.isfinite(r["loss"])
     # Validation ran in epoch 2 only: timed separately there, absent elsewhere.
     assert mon.history[1]["val_time_s"] > 0 and "val_loss" in mon.history[1]
@@ -270,6 +272,126 @@ def test_steps_per_s_matches_a_step_of_known_duration():
     assert r["steps_per_s"] == pytest.approx(1 / seconds)
     assert r["step_time_ms_p50"] == pytest.approx(1000 * seconds)
     assert r["step_time_ms_p90"] == pytest.approx(1000 * seconds)
+
+
+# ---------------------------------------------------------------- peak memory
+_MEASURES = {
+    "tf_allocator_peak",
+    "torch_cuda_peak",
+    "xla_peak_bytes_in_use",
+    "xla_memory_analysis",
+    "torch_saved_tensors",
+    "host_peak_rss",
+}
+
+
+def _memory_mlp(remat=None):
+    keras.utils.set_random_seed(0)
+    model = kp.loss_scaled(models.mlp([256, 256, 256], activation="gelu"), remat=remat)
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def _monitored_peaks(model, batch_size, epochs=1, callbacks=()):
+    rng = np.random.default_rng(0)
+    x, y = rng.random((256, 64), dtype=np.float32), rng.integers(0, 10, 256)
+    mon = kp.TrainingMonitor()
+    model.fit(x, y, batch_size=batch_size, epochs=epochs, verbose=0, callbacks=[mon, *callbacks])
+    return mon.history, (x[:batch_size], y[:batch_size], None)
+
+
+@pytest.mark.skipif(kp.backend.has_accelerator(), reason="a CPU's measure")
+def test_peak_memory_on_a_cpu_is_the_backends_own_count_of_the_step():
+    """JAX and torch: each epoch's peak is `kp.backend.step_memory` of that batch (XLA's
+    analysis of the compiled step; the tensors autograd saves plus the state and batch),
+    taken during `fit`, and the model's train function is its own again afterwards.
+    TensorFlow without the BFC allocator: the process's peak resident memory, named so."""
+    sizes = {}
+    for batch_size, epochs in ((32, 2), (128, 1)):
+        model = _memory_mlp()
+        history, batch = _monitored_peaks(model, batch_size, epochs=epochs)
+        assert getattr(model.train_function, "_kp_original", None) is None
+        if kp.backend.step_memory_unavailable() is not None:  # TensorFlow, no BFC allocator
+            assert {(r["memory_measure"], r["memory_device"]) for r in history} == {
+                ("host_peak_rss", "host")
+            }
+            return
+        step = functools.partial(model.train_on_batch, *batch[:2])
+        expected = kp.backend.step_memory(model, batch, step)
+        assert [r["memory_measure"] for r in history] == [expected["measure"]] * epochs
+        if BACKEND != "tensorflow":  # a count of the step, the same in every epoch
+            assert [r["peak_memory_bytes"] for r in history] == [expected["bytes"]] * epochs
+        sizes[batch_size] = history[-1]["peak_memory_bytes"]
+    # The larger batch's activations: 96 more examples x 3 x 256 float32 values at least.
+    assert sizes[128] - sizes[32] >= 96 * 3 * 256 * 4
+
+
+@pytest.mark.backends("torch")
+@pytest.mark.skipif(kp.backend.has_accelerator(), reason="a CPU's measure")
+def test_the_monitor_shows_what_remat_saves():
+    """Per-layer recomputation keeps each Dense(gelu)'s input, not its pre-activation: the
+    monitor's count at batch 128 drops by about half the plain step's saved activations."""
+    plain, _ = _monitored_peaks(_memory_mlp(), 128)
+    remat, _ = _monitored_peaks(_memory_mlp("full"), 128)
+    assert plain[0]["memory_measure"] == remat[0]["memory_measure"] == "torch_saved_tensors"
+    saved = 128 * 3 * 256 * 4  # one pre-activation per hidden layer
+    assert plain[0]["peak_memory_bytes"] - remat[0]["peak_memory_bytes"] >= 0.9 * saved
+
+
+class _RebuildTrainFunction(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        self.model.make_train_function(force=True)
+
+
+@pytest.mark.skipif(kp.backend.has_accelerator(), reason="a CPU's measure")
+def test_peak_memory_survives_a_crashed_fit_and_a_rebuilt_train_function():
+    """A fit that raised leaves the monitor's stand-in for the train function behind; the next
+    fit measures as before and ends with the model's own function. A callback rebuilding the
+    train function between epochs does not stop the measure."""
+    model = _memory_mlp()
+    mon = kp.TrainingMonitor()
+    x, y = np.ones((64, 64), np.float32), np.zeros(64, np.int64)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[mon, _CrashInEpoch(0)])
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[mon, _RebuildTrainFunction()])
+    assert getattr(model.train_function, "_kp_original", None) is None
+    measures = [r["memory_measure"] for r in mon.history]
+    assert len(set(measures)) == 1 and measures[0] in _MEASURES
+    if measures[0] in ("xla_memory_analysis", "torch_saved_tensors"):
+        peaks = [r["peak_memory_bytes"] for r in mon.history]
+        assert peaks == [peaks[0]] * 2
+
+
+@pytest.mark.slow
+@pytest.mark.backends("tensorflow")
+@pytest.mark.skipif(kp.backend.has_accelerator(), reason="a CPU's measure")
+def test_peak_memory_tensorflow_with_bfc_allocator():
+    """With TF_CPU_ALLOCATOR_USE_BFC=true (set before TensorFlow is imported: a child
+    process), TensorFlow's CPU allocator peak over the epoch, which grows with the batch."""
+    code = (
+        "import json\n"
+        "from test_monitor import _memory_mlp, _monitored_peaks\n"
+        "out = [_monitored_peaks(_memory_mlp(), b)[0][0] for b in (32, 128)]\n"
+        "print(json.dumps([[r['memory_measure'], r['memory_device'], r['peak_memory_bytes']]"
+        " for r in out]))\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(
+        os.environ,
+        KERAS_BACKEND="tensorflow",
+        TF_CPU_ALLOCATOR_USE_BFC="true",
+        TF_CPP_MIN_LOG_LEVEL="3",
+        PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests")]),
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    small, large = json.loads(done.stdout.strip().splitlines()[-1])
+    assert small[:2] == large[:2] == ["tf_allocator_peak", "CPU:0"]
+    weights = 64 * 256 + 2 * 256 * 256 + 256 * 10  # float32 kernels, the peak holds them
+    assert small[2] >= 4 * weights
+    assert large[2] - small[2] >= 96 * 3 * 256 * 4
 
 
 # ---------------------------------------------------------------- JSONL, reuse

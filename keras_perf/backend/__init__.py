@@ -10,8 +10,10 @@ in `keras_perf/_keras_internals.py` alone.
 Interface (every implementation module provides these names):
 
 - ``is_oom_error(exc) -> bool``: whether `exc` is the backend's out-of-memory error.
-- ``memory_stats() -> dict | None``: ``{"current_bytes", "peak_bytes", "device"}`` of the first
-  accelerator, or None when there is no accelerator (or it reports nothing).
+- ``memory_stats() -> dict | None``: ``{"current_bytes", "peak_bytes", "device", "measure"}``
+  of the first accelerator, or None when there is no accelerator (or it reports nothing);
+  ``measure`` names the counter (``"tf_allocator_peak"``, ``"torch_cuda_peak"``,
+  ``"xla_peak_bytes_in_use"``).
 - ``reset_peak_memory() -> bool``: reset the accelerator's peak counter; False if unsupported.
 - ``list_devices() -> list[dict]``: ``name``, ``kind`` (CPU/GPU/TPU), ``memory_bytes``,
   ``compute_capability`` (a ``(major, minor)`` tuple or None).
@@ -52,6 +54,10 @@ Interface (every implementation module provides these names):
   state and batch (``"torch_saved_tensors"``); JAX: XLA's memory analysis of the compiled
   step, without running it (``"xla_memory_analysis"``). `sizes` gives the byte counts the
   dispatch computes: ``state`` (model and optimizer variables), ``trainable``, ``batch``.
+- ``epoch_memory(model, sizes) -> meter | None``: the per-epoch peak of `fit` on a CPU in the
+  backend's own measure (see the dispatch's `epoch_memory`); `sizes(model, data)` gives the
+  byte counts of `step_memory`'s `sizes` for a batch. JAX and torch read the step through
+  `keras_perf/backend/_step_spy.py`, which stands in for ``model.train_function`` during `fit`.
 - ``kernel_op(op, dtype, size) -> callable``: one matmul (``op="matmul"``) or 3x3 convolution
   (``"conv"``) in `dtype` on the backend's default device, run by calling it (it returns once
   the result exists); raises where the dtype has no kernel. `keras_perf.precision` times it.
@@ -62,7 +68,8 @@ a null context, `carry_in_step_state` True, the fake-quant names None). The disp
 only what is built on the interface alone: ``is_oom(exc)`` (``is_oom_error`` over the
 exception's causes), ``clear_memory()`` (garbage collection first), ``has_accelerator()``,
 ``step_memory(model, data, run_step)`` (the byte counts of the model's variables and the batch,
-then the implementation's ``step_memory``), and the constants ``BACKEND``,
+then the implementation's ``step_memory``), ``epoch_memory(model)`` (None on an accelerator,
+else the implementation's, given those byte counts), and the constants ``BACKEND``,
 ``STEP_READS_EXTERNAL_VARIABLES``, ``STEP_MEMORY_RUNS_STEP`` and ``FIT_BUILDS_IN_FIRST_STEP``.
 
 Re-exported from backend-neutral modules below this package, so that callers reach them here
@@ -113,6 +120,7 @@ __all__ = [
     "carry_in_step_state",
     "clear_memory",
     "configure_devices",
+    "epoch_memory",
     "examples_seen",
     "fake_quant",
     "fake_quant_kernel",
@@ -240,14 +248,36 @@ def step_memory(model, data, run_step) -> dict:
     Returns:
         ``{"bytes", "measure", "ran"}`` (see the interface above).
     """
+    return _impl.step_memory(model, data, run_step, _step_sizes(model, data))
+
+
+def _step_sizes(model, data) -> dict:
     optimizer = getattr(model, "optimizer", None)
     state = {id(v): v for v in list(model.variables) + list(getattr(optimizer, "variables", []))}
-    sizes = {
+    return {
         "state": _nbytes(state.values()),
         "trainable": _nbytes(model.trainable_variables),
         "batch": _nbytes(keras.tree.flatten(data)),
     }
-    return _impl.step_memory(model, data, run_step, sizes)
+
+
+def epoch_memory(model):
+    """A meter of the peak memory of each epoch of `model`'s `fit` on a CPU, in the backend's
+    own measure, or None where it has none for this model (callers then read the process's
+    peak resident memory).
+
+    Call it at `on_train_begin` (the train function exists then); the meter's `start_epoch()`
+    goes at each epoch's begin, `finish_epoch()` at its end (a dict ``{"bytes", "measure",
+    "device"}``, or None when nothing was measured), `close()` at the end of training.
+    TensorFlow: its CPU allocator's peak over the epoch (``"tf_allocator_peak"``, only with
+    the BFC allocator, see `step_memory_unavailable`); JAX: XLA's memory analysis of the step
+    `fit` compiled, for the shapes of the epoch's first batch (``"xla_memory_analysis"``, read
+    from JAX's compilation cache, so nothing is compiled again); torch: the count of
+    `step_memory` (``"torch_saved_tensors"``) taken during the epoch's first step.
+    """
+    if has_accelerator():
+        return None
+    return _impl.epoch_memory(model, _step_sizes)
 
 
 # The framework's own global RNG (torch's), which `fit` and `clone_model` draw from beside

@@ -37,6 +37,7 @@ def memory_stats():
         "current_bytes": int(info["current"]),
         "peak_bytes": int(info["peak"]),
         "device": "GPU:0",
+        "measure": "tf_allocator_peak",
     }
 
 
@@ -98,6 +99,29 @@ def step_memory(model, data, run_step, sizes) -> dict:
         "measure": "tf_allocator_peak",
         "ran": True,
     }
+
+
+class _AllocatorEpochMemory:
+    """The peak of TensorFlow's CPU allocator (BFC) over the epoch: everything TensorFlow
+    allocated, the variables included."""
+
+    def start_epoch(self) -> None:
+        tf.config.experimental.reset_memory_stats("CPU:0")
+
+    def finish_epoch(self):
+        peak = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+        return {"bytes": int(peak), "measure": "tf_allocator_peak", "device": "CPU:0"}
+
+    def close(self) -> None:
+        pass
+
+
+def epoch_memory(model, sizes):
+    """The CPU allocator's peak, where it keeps statistics (`step_memory_unavailable`)."""
+    del model, sizes
+    if _gpus() or step_memory_unavailable() is not None:
+        return None
+    return _AllocatorEpochMemory()
 
 
 def list_devices():

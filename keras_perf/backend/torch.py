@@ -6,6 +6,8 @@ import weakref
 
 import torch
 
+from keras_perf.backend._step_spy import StepSpy
+
 
 def is_oom_error(exc: BaseException) -> bool:
     oom_type = getattr(torch, "OutOfMemoryError", None) or getattr(
@@ -35,6 +37,7 @@ def memory_stats():
         "current_bytes": int(torch.cuda.memory_allocated()),
         "peak_bytes": int(torch.cuda.max_memory_allocated()),
         "device": f"cuda:{torch.cuda.current_device()}",
+        "measure": "torch_cuda_peak",
     }
 
 
@@ -110,6 +113,51 @@ def step_memory(model, data, run_step, sizes) -> dict:
         run_step()
     total = sizes["state"] + sizes["trainable"] + sizes["batch"] + saved.peak
     return {"bytes": int(total), "measure": "torch_saved_tensors", "ran": True}
+
+
+class _SavedTensorsEpochMemory(StepSpy):
+    """`step_memory`'s CPU count (tensors saved for backward plus variables, gradients and
+    batch) of each epoch's first training step, taken while `fit` runs it."""
+
+    def __init__(self, model, sizes) -> None:
+        super().__init__(model)
+        self._sizes = sizes
+        self._armed = False
+        self._bytes = None
+
+    def call(self, original, data):
+        if not self._armed:
+            return original(data)
+        self._armed = False
+        saved = SavedTensorsPeak(v.value.untyped_storage().data_ptr() for v in self.model.variables)
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+            logs = original(data)
+        sizes = self._sizes(self.model, data[0])
+        self._bytes = sizes["state"] + sizes["trainable"] + sizes["batch"] + saved.peak
+        return logs
+
+    def start_epoch(self) -> None:
+        self._bytes = None
+        self._armed = self.install()
+
+    def finish_epoch(self):
+        if self._bytes is None:
+            return None
+        return {"bytes": int(self._bytes), "measure": "torch_saved_tensors", "device": "cpu"}
+
+    def close(self) -> None:
+        self._armed = False
+        self.remove()
+
+
+def epoch_memory(model, sizes):
+    """The saved-tensor count of each epoch's first step, where `fit` runs the step eagerly
+    (not under `torch.compile`, whose graphs the hooks do not see)."""
+    if torch.cuda.is_available() or getattr(model, "train_function", None) is None:
+        return None
+    if getattr(model, "jit_compile", False):
+        return None
+    return _SavedTensorsEpochMemory(model, sizes)
 
 
 def list_devices():

@@ -50,10 +50,18 @@ class TrainingMonitor(keras.callbacks.Callback):
       `steps_per_s`, `examples_per_s`;
     - `step_time_ms_p50`, `step_time_ms_p90`: per-step time percentiles (with
       `steps_per_execution=N`, per execution divided by its steps);
-    - `peak_memory_bytes`: peak memory of the epoch: the first accelerator's allocator peak
-      (TF `get_memory_info`, torch `max_memory_allocated`, both reset each epoch; JAX
-      `peak_bytes_in_use`, which JAX cannot reset, so it is the peak since start), else this
-      process's peak resident memory (reset each epoch on Linux); `memory_device` says which;
+    - `peak_memory_bytes`: peak memory of the epoch, `memory_device` says where and
+      `memory_measure` which measure: on an accelerator its allocator's peak
+      (`tf_allocator_peak`: TF `get_memory_info`; `torch_cuda_peak`: `max_memory_allocated`,
+      both reset each epoch; `xla_peak_bytes_in_use`: JAX's peak since start, which JAX cannot
+      reset). On a CPU the backend's own count of the training step where it has one:
+      TensorFlow's CPU allocator peak over the epoch (`tf_allocator_peak`, when
+      `TF_CPU_ALLOCATOR_USE_BFC=true` was set before TensorFlow was imported), XLA's memory
+      analysis of the compiled step for the epoch's first batch (`xla_memory_analysis`: state,
+      batch and scratch buffers, read from JAX's compilation cache), the bytes torch's autograd
+      saves for backward in the epoch's first step plus the weights, gradients, optimizer state
+      and batch (`torch_saved_tensors`); else this process's peak resident memory
+      (`host_peak_rss`, `memory_device` "host", reset each epoch on Linux);
     - `loss_scale` when the optimizer scales the loss;
     - `mfu` when FLOPs per example and peak FLOP/s are known: given, or estimated
       (`kp.estimate_flops_per_example`: 3 x forward multiply-adds of Dense/Conv layers, i.e.
@@ -144,6 +152,7 @@ class TrainingMonitor(keras.callbacks.Callback):
         self._meter = EpochMeter(step_timing=self.step_timing)
         self._writer = ScalarWriter(self.log_dir) if self.log_dir is not None else None
         self.reset()
+        self._epoch_memory = None  # the backend's per-epoch memory meter during a fit
 
     # ----------------------------------------------------------------- state
     def reset(self) -> None:
@@ -191,6 +200,8 @@ class TrainingMonitor(keras.callbacks.Callback):
         self._offset = None
         self._warned_examples = False
         self._accelerator = _backend.has_accelerator()
+        self._close_epoch_memory()  # left open by a fit that raised
+        self._epoch_memory = None if self._accelerator else _backend.epoch_memory(self.model)
         self._flops = self.flops_per_example
         if self._flops is None:
             self._flops = estimate_flops_per_example(self.model)
@@ -203,6 +214,7 @@ class TrainingMonitor(keras.callbacks.Callback):
             self._peak = measured_peak_flops(dtype or "float32")
 
     def on_train_end(self, logs=None) -> None:
+        self._close_epoch_memory()
         if self._writer is None or not self._writer.is_open:
             return
         try:
@@ -219,6 +231,8 @@ class TrainingMonitor(keras.callbacks.Callback):
             _backend.reset_peak_memory()
         else:
             _backend.reset_host_peak_memory()
+            if self._epoch_memory is not None:
+                self._epoch_memory.start_epoch()
         self._examples = None
         self._in_epoch = True
         self._meter.start()
@@ -283,13 +297,27 @@ class TrainingMonitor(keras.callbacks.Callback):
             record["examples_per_s"] = examples / record["epoch_time_s"]
 
     def _add_memory(self, record: dict) -> None:
-        stats = _backend.memory_stats() if self._accelerator else None
-        if stats is not None:
-            record["peak_memory_bytes"] = int(stats["peak_bytes"])
-            record["memory_device"] = stats["device"]
+        if self._accelerator:
+            stats = _backend.memory_stats()
+            if stats is not None:
+                stats = {"bytes": stats["peak_bytes"], **stats}
         else:
-            record["peak_memory_bytes"] = int(_backend.host_memory()["peak_bytes"])
-            record["memory_device"] = "host"
+            meter = self._epoch_memory
+            stats = meter.finish_epoch() if meter is not None else None
+        if stats is None:
+            stats = {
+                "bytes": _backend.host_memory()["peak_bytes"],
+                "device": "host",
+                "measure": "host_peak_rss",
+            }
+        record["peak_memory_bytes"] = int(stats["bytes"])
+        record["memory_device"] = stats["device"]
+        record["memory_measure"] = stats["measure"]
+
+    def _close_epoch_memory(self) -> None:
+        meter, self._epoch_memory = self._epoch_memory, None
+        if meter is not None:
+            meter.close()
 
     def _add_loss_scale(self, record: dict) -> None:
         if record.get("loss_scale") is not None:
@@ -427,7 +455,8 @@ def _one_line(r: dict) -> str:
     if r.get("step_time_ms_p50") is not None:
         parts.append(f"step p50 {r['step_time_ms_p50']:.1f} ms p90 {r['step_time_ms_p90']:.1f} ms")
     if r.get("peak_memory_bytes"):
-        parts.append(f"peak {r['peak_memory_bytes'] / 2**20:.0f} MiB ({r.get('memory_device')})")
+        where = r.get("memory_measure") or r.get("memory_device")
+        parts.append(f"peak {r['peak_memory_bytes'] / 2**20:.0f} MiB ({where})")
     if r.get("mfu") is not None:
         parts.append(f"MFU {100 * r['mfu']:.1f}%")
     return ", ".join(parts)

@@ -163,7 +163,11 @@ def history_figure(history: list[dict], metrics: list[str] | None = None):
     def series(key, scale=1.0):
         return [r[key] / scale if is_number(r.get(key)) else math.nan for r in h]
 
-    skip = set(MONITOR_KEYS) | set(HEALTH_KEYS) | {"epoch", "fit", "time", "memory_device"}
+    skip = (
+        set(MONITOR_KEYS)
+        | set(HEALTH_KEYS)
+        | {"epoch", "fit", "time", "memory_device", "memory_measure"}
+    )
     if metrics is None:
         metrics = []
         for r in h:

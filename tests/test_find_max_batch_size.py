@@ -14,8 +14,6 @@ what remat and micro-batches shrink.
 
 import json
 import os
-import subprocess
-import sys
 
 import keras
 import numpy as np
@@ -24,6 +22,7 @@ import pytest
 import keras_perf as kp
 from keras_perf.oom._batch_size import _best, _search
 from tests import models
+from tests._child import tensorflow_with_bfc
 from tests.test_oom import OOMAbove
 
 BACKEND = keras.backend.backend()
@@ -102,18 +101,7 @@ def test_memory_cap_rows_tensorflow_with_bfc_allocator():
         "print(json.dumps({'rows': {k: v['batch_size'] for k, v in report.items()},\n"
         "                  'doctest': [result.failed, result.attempted]}))\n"
     )
-    env = dict(
-        os.environ,
-        KERAS_BACKEND="tensorflow",
-        TF_CPU_ALLOCATOR_USE_BFC="true",
-        TF_CPP_MIN_LOG_LEVEL="3",
-        PYTHONPATH=ROOT,
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = tensorflow_with_bfc(code)
     assert result["doctest"][0] == 0 and result["doctest"][1] >= 5, result
 
 

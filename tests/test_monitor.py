@@ -5,7 +5,6 @@ import functools
 import gc
 import json
 import os
-import subprocess
 import sys
 import warnings
 
@@ -17,6 +16,7 @@ import keras_perf as kp
 from keras_perf._tensorboard import ScalarWriter
 from keras_perf.monitor import MONITOR_KEYS, EpochMeter
 from tests import models
+from tests._child import tensorflow_with_bfc
 
 BACKEND = keras.backend.backend()
 
@@ -375,19 +375,7 @@ def test_peak_memory_tensorflow_with_bfc_allocator():
         "print(json.dumps([[r['memory_measure'], r['memory_device'], r['peak_memory_bytes']]"
         " for r in out]))\n"
     )
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(
-        os.environ,
-        KERAS_BACKEND="tensorflow",
-        TF_CPU_ALLOCATOR_USE_BFC="true",
-        TF_CPP_MIN_LOG_LEVEL="3",
-        PYTHONPATH=os.pathsep.join([root, os.path.join(root, "tests")]),
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    small, large = json.loads(done.stdout.strip().splitlines()[-1])
+    small, large = tensorflow_with_bfc(code)
     assert small[:2] == large[:2] == ["tf_allocator_peak", "CPU:0"]
     weights = 64 * 256 + 2 * 256 * 256 + 256 * 10  # float32 kernels, the peak holds them
     assert small[2] >= 4 * weights

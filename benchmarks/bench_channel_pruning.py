@@ -19,8 +19,8 @@ constant buffers, and the zero biases folded from a fresh model's untrained Batc
 fresh MobileNetV2 twin's file 6 % smaller (132 tensors instead of 173, same ops) and ~10 %
 faster, an effect of the weight values, not of the graph. Params and MACs (from `kp.channel_report`, exact) go in each row's note.
 
-Each timed unit (one forward call of batch 64, one `predict` of 1,024 examples, 20 TFLite
-invokes of one example, one thread) runs for the three models in the palindromic order
+Each timed unit (one forward call of batch 64, one `predict` of 1,024 examples (256 with
+`--quick`), 20 TFLite invokes of one example, one thread) runs for the three models in the palindromic order
 original, shrink, twin, twin, shrink, original in one process, 7 times (5 for `predict`;
 torch on one thread, see `main`);
 per path three rows: shrink / original, twin / original (the hand-built model's own speed-up,
@@ -184,13 +184,13 @@ def add_rows(rows, name, kind, repeats, runs, target, note):
               f"{r['wall_spread']}", flush=True)  # fmt: skip
 
 
-def measure(name, original, small, twin, repeats, rows, folder):
+def measure(name, original, small, twin, repeats, rows, folder, examples=1024):
     p0, m0 = sizes(original)
     p1, m1 = sizes(small)
     p2, m2 = sizes(twin)
     note = f"params {p0}->{p1} (twin {p2}), MACs {m0}->{m1} (twin {m2})"
     print(f"{name}: {note}", flush=True)
-    x = np.random.default_rng(1).random((1024, *original.inputs[0].shape[1:]), dtype="float32")
+    x = np.random.default_rng(1).random((examples, *original.inputs[0].shape[1:]), dtype="float32")
     resnet_tf = name.startswith("resnet") and BACKEND == "tensorflow"
     for kind, make in (("forward", forward), ("predict", predict)):
         data = x[:BATCH] if kind == "forward" else x
@@ -215,6 +215,9 @@ def main():
     # Full: 7 repeats (6 calls each) of the short units, 5 of `predict` (the longest unit).
     repeats = dict.fromkeys(("forward", "predict", "tflite"), 2) if args.quick else {
         "forward": 7, "predict": 5, "tflite": 7}  # fmt: skip
+    # --quick (a smoke run, CI's `bench --quick`): `predict` over 4 batches, not 16 (MobileNetV2's
+    # three models' predicts were about a minute of the quick run on 2 loaded cores).
+    examples = 256 if args.quick else 1024
     if BACKEND == "torch":
         # One intra-op thread: with two, on the loaded shared machine, threads spinning while
         # they wait inflated CPU time and spread (a run had done 3 of its 18 rows after 7
@@ -230,12 +233,12 @@ def main():
             small = prune_half(original)
             twin = resnet(16, size, name="twin")
             twin.set_weights(small.get_weights())
-            measure(f"resnet{size}", original, small, twin, repeats, rows, folder)
+            measure(f"resnet{size}", original, small, twin, repeats, rows, folder, examples)
         original = mobilenet()
         small = prune_half(original)
         twin = keras.Model.from_config(small.get_config())
         twin.set_weights(small.get_weights())
-        measure("mobilenetv2_0.35", original, small, twin, repeats, rows, folder)
+        measure("mobilenetv2_0.35", original, small, twin, repeats, rows, folder, examples)
     finish(rows, args)
 
 

@@ -14,6 +14,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# .ci/run on stubs: no backend is imported, so the checks run once, on TensorFlow.
+pytestmark = pytest.mark.backends("tensorflow")
+
 # Exits $FAIL_RC when its command line contains $FAIL_ON (and, if set, KERAS_BACKEND is
 # $FAIL_BACKEND); else 0.
 STUB = """#!/usr/bin/env bash
@@ -59,6 +62,22 @@ def test_stubs_let_the_whole_run_pass(tmp_path):
         "[jax]",
         "[torch]",
     }
+    # Every backend runs its slow tier, and its `timing` tests alone in one process after it:
+    # TensorFlow's default tier is the README's command, JAX's and PyTorch's share a session
+    # with their slow tier (less the TF-only cases).
+    k = (
+        "-k not resnet50 and not efficientnet and not pairs_of_pieces and not "
+        "digits_suggestion and not test_doctests"
+    )
+    assert [ln for ln in log if "-m pytest" in ln] == [
+        "python -m pytest [tensorflow]",
+        f"python -m pytest -m not timing {k} [jax]",
+        "python -m pytest -m timing -n 0 [jax]",
+        f"python -m pytest -m not timing {k} [torch]",
+        "python -m pytest -m timing -n 0 [torch]",
+        "python -m pytest -m slow and not timing [tensorflow]",
+        "python -m pytest -m timing -n 0 [tensorflow]",
+    ]
 
 
 def test_failed_install_stops_the_run_before_pytest(tmp_path):
@@ -75,6 +94,7 @@ def test_pytest_collecting_no_tests_fails_the_run(tmp_path, backend, ran):
     # pytest's exit code 5 ("no tests collected") fails the run at that stage.
     proc, log = _run_ci(tmp_path, FAIL_ON="-m pytest", FAIL_RC="5", FAIL_BACKEND=backend)
     assert proc.returncode == 5, proc.stdout[-2000:]
-    assert len(log) == ran and log[-1] == f"python -m pytest [{backend}]", log
+    assert len(log) == ran and log[-1].startswith("python -m pytest"), log
+    assert log[-1].endswith(f"[{backend}]"), log
     if backend == "jax":  # through run_pytest, which says why
         assert "pytest collected no tests: failing CI" in proc.stderr

@@ -477,16 +477,24 @@ def test_demo_rejects_unknown_backend():
 # --- bench ------------------------------------------------------------------------------
 
 
+# The bench runner on stub scripts and its argument checks: the children get KERAS_BACKEND
+# from the test (or import no Keras), whatever the run's backend, so these run on TensorFlow.
+BENCH_RUNNER = pytest.mark.backends("tensorflow")
+
+
+@BENCH_RUNNER
 def test_bench_rejects_unknown_backend(capsys):
     assert cli.main(["bench", "--backends", "theano"]) == 2
     assert "theano" in capsys.readouterr().err
 
 
+@BENCH_RUNNER
 def test_bench_without_scripts_says_where_it_looked(tmp_path, capsys):
     assert cli.main(["bench", "--dir", str(tmp_path)]) == 2
     assert "bench_*.py" in capsys.readouterr().err
 
 
+@BENCH_RUNNER
 @pytest.mark.parametrize("gpu", [[], ["--gpu"]])
 def test_bench_after_a_plain_pip_install_says_it_needs_the_repository(tmp_path, gpu):
     # The package alone, as pip installs it (no benchmarks/ beside it), run from a folder
@@ -531,6 +539,7 @@ def _stub_package(tmp_path):
     return folder
 
 
+@BENCH_RUNNER
 @pytest.mark.parametrize("quick", [True, False])
 def test_bench_reports_rows_and_failures_per_script(tmp_path, capsys, monkeypatch, quick):
     # Stub modules: one good, one raising, one exiting non-zero. Each is reported on its own,
@@ -579,6 +588,7 @@ def test_bench_quick_prints_every_row(tmp_path):
     assert len(rows) >= len(scripts)  # every script contributes its claims
 
 
+@BENCH_RUNNER
 def test_bench_quick_kills_a_script_that_hangs(tmp_path):
     import time
 
@@ -621,6 +631,7 @@ def test_bad_output_locations_are_argument_errors_before_anything_runs(tmp_path,
     assert "--markdown" in capsys.readouterr().err
 
 
+@BENCH_RUNNER
 def test_benchmark_scripts_import_only_names_their_helpers_define():
     """A benchmark that imports a name its helper module no longer has fails only when
     `bench` runs it (slow tier); this reads the imports instead, in milliseconds."""
@@ -652,6 +663,7 @@ def test_benchmark_scripts_import_only_names_their_helpers_define():
     assert len(defined) >= 3 and not missing, missing
 
 
+@BENCH_RUNNER
 def test_benchmarks_are_a_package_that_never_edits_sys_path():
     """Every benchmark runs as `python -m benchmarks.<name>`: helpers are imported from the
     package, never found through a `sys.path` edit."""

@@ -106,6 +106,12 @@ MODULES = _module_names()
 GLOBS = {"keras": keras, "np": np, "kp": keras_perf}
 
 
+# The harness's own checks read files and run doctests of plain Python: backend-neutral, so
+# they run on TensorFlow only (.ci/run leaves this file out on JAX and PyTorch by `-k`).
+NEUTRAL = pytest.mark.backends("tensorflow")
+
+
+@NEUTRAL
 def test_walk_finds_the_packages_modules():
     assert "keras_perf.pruning._callback" in MODULES and "keras_perf.stopping._base" in MODULES
     assert len(MODULES) > 40
@@ -137,6 +143,7 @@ def _fake_module(source):
     return module
 
 
+@NEUTRAL
 def test_a_wrong_example_fails_and_a_right_one_passes():
     source = 'def f():\n    """Doc.\n\n    >>> kp.__name__, np.zeros(2).shape\n    %s\n    """\n'
     tries, failures = _failures(_fake_module(source % "('keras_perf', (2,))"))
@@ -145,6 +152,7 @@ def test_a_wrong_example_fails_and_a_right_one_passes():
     assert tries == 1 and len(failures) == 1 and "(3,)" in failures[0]
 
 
+@NEUTRAL
 def test_examples_belong_to_the_file_that_defines_them():
     """`keras_perf.pruning` re-exports `PruningCallback`: its examples run once, with its part."""
     import keras_perf.pruning

@@ -3,7 +3,12 @@
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+
+# Text of README.md and .ci/run: no backend involved, so the checks run once, on TensorFlow.
+pytestmark = pytest.mark.backends("tensorflow")
 TEST_COMMAND = 'pip install -e ".[test]" && python -m pytest'
 
 

@@ -262,7 +262,7 @@ def main() -> None:
             print(f"{name}, bare-framework floor: {note}", flush=True)
             rows.append(
                 row(
-                    f"  (floor) bare {FRAMEWORK[backend]} per-layer checkpoint step time, {name}, "
+                    f"  (floor) bare {FRAMEWORK[backend]} per layer, step time, {name}, "
                     f"batch {timed_at}",
                     floor_time(key, timed_at, repeats),
                     "-",

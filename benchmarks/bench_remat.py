@@ -21,6 +21,17 @@ difference worth counting, and Keras warns about it on TensorFlow).
 Targets: activation memory >= 2x lower at <= 1.4x step time on the MLP and the Transformer;
 ResNet50 as measured.
 
+Floors (MLP and Transformer): the same model written on the bare framework with each layer
+checkpointed by the framework's own tool (`tf.recompute_grad`, `jax.checkpoint`,
+`torch.utils.checkpoint.checkpoint`), benchmarks/_remat_floors.py. Each gets a row below ours:
+its memory counted with the same measure at the same batches, its step time with and without
+checkpointing (A B B A), so our "less" and our time ratio read against what the framework
+itself gives.
+
+On TensorFlow and JAX the MLP's memory is counted at batches 1024 and 2048 (MEMORY_BATCHES
+below; the step is still timed at the model's own batch): at smaller batches the step's peak is
+its gradients, not its activations, and does not grow with the batch.
+
 Run: python -m benchmarks.bench_remat [--quick] [--json PATH] [--models mlp,transformer,resnet50]
 [--batches B1,B2]
 """
@@ -34,7 +45,8 @@ import numpy as np  # noqa: E402
 
 import keras_perf as kp  # noqa: E402
 
-from . import _memory  # first: it sets TensorFlow's allocator options before the import
+# _memory first: it sets TensorFlow's allocator options before the import.
+from . import _memory, _remat_floors
 from ._harness import abba, compile_sce, finish, one_step, row  # noqa: E402
 
 
@@ -72,6 +84,16 @@ MODELS = {
     "transformer": (transformer, (8, 16), "Transformer d=256 h=4 2 blocks seq 128"),
     "resnet50": (resnet50, (8, 16), "ResNet50 64x64 (weights=None, 1000 classes)"),
 }
+# On TensorFlow and JAX the MLP's memory is counted at larger batches (the step is still timed
+# at the model's own). Their counts are the peak of the whole step, and kp.loss_scaled keeps
+# all 16.8 MB of gradients alive at once (for the norm and the non-finite check): while one
+# layer's activations are smaller than its 1 MB gradient (below about 512 examples, or 1024
+# with remat), that peak is set by the gradients and does not grow with the batch (XLA temp
+# 21,043,472 bytes at batch 64 and at 128, with and without remat), so the growth measured
+# nothing. torch's count (saved tensors) holds activations only.
+MEMORY_BATCHES = {"mlp": (1024, 2048)}
+# Models with a bare-framework floor (benchmarks/_remat_floors.py).
+FLOORS = ("mlp", "transformer")
 
 
 def parse_args() -> argparse.Namespace:
@@ -131,12 +153,36 @@ def memory(build, remat, batches, tf_models=1) -> tuple[float, list]:
         for _ in range(tf_models if backend == "tensorflow" else 1):
             model, shape = _model(build, remat)
             x, y = _data(shape, batch)
-            model.fit(x, y, batch_size=batch, verbose=0)
+            # JAX's count compiles the step afresh for (x, y): a few rows build the model.
+            part = 8 if backend == "jax" else batch
+            model.fit(x[:part], y[:part], batch_size=part, verbose=0)
             measured.append(fn(model, x, y))
         counts.append(int(np.median(measured)))
+    return _per_example(counts, batches), counts
+
+
+def _per_example(counts, batches) -> float:
     if keras.backend.backend() == "torch":
-        return counts[-1] / batches[-1], counts
-    return (counts[1] - counts[0]) / (batches[1] - batches[0]), counts
+        return counts[-1] / batches[-1]
+    return (counts[1] - counts[0]) / (batches[1] - batches[0])
+
+
+def floor_memory(key, remat, batches, tf_models=1) -> tuple[float, list]:
+    """The bare-framework floor's counts (benchmarks/_remat_floors.py), read as `memory` reads
+    ours: activation bytes per example and the raw counts at each batch size (TensorFlow's,
+    the median over `tf_models` new traces)."""
+    counts = []
+    for batch in batches:
+        x, y = _data(_remat_floors.SHAPES[key], batch)
+        runs = tf_models if keras.backend.backend() == "tensorflow" else 1
+        measured = [_remat_floors.floor_memory(key, x, y, remat) for _ in range(runs)]
+        counts.append(int(np.median(measured)))
+    return _per_example(counts, batches), counts
+
+
+def floor_time(key, batch, repeats) -> dict:
+    x, y = _data(_remat_floors.SHAPES[key], batch)
+    return abba(*(_remat_floors.floor_step(key, x, y, remat) for remat in (False, True)), repeats)
 
 
 def step_time(build, batch, repeats) -> dict:
@@ -167,6 +213,25 @@ def _in_own_process() -> bool:
     return True
 
 
+FRAMEWORK = {
+    "tensorflow": "tf.recompute_grad",
+    "jax": "jax.checkpoint",
+    "torch": "torch checkpoint",
+}
+
+
+def _note(plain, full, batches) -> str:
+    """The memory half of a row: activation bytes per example, how many times less, counts."""
+    (a, a_counts), (b, b_counts) = plain, full
+    # XLA's temp count can stay flat between the two batches (no growth measured).
+    less = f"{a / b:.2f}x less" if b > 0 else "no growth with remat"
+    return (
+        f"activation bytes/example {a:.0f} -> {b:.0f} ({less}; "
+        f"{_memory.WHAT[keras.backend.backend()]}; counts at batches {list(batches)}: "
+        f"{a_counts} -> {b_counts})"
+    )
+
+
 def main() -> None:
     args = parse_args()
     if _in_own_process():
@@ -174,30 +239,36 @@ def main() -> None:
     repeats = 3 if args.quick else 7
     scale = 2 if args.quick else 1
     rows = []
+    backend = keras.backend.backend()
+    tf_models = 1 if args.quick else 3
     for key in args.models:
         build, sizes, name = MODELS[key]
-        batches = args.batches or tuple(b // scale for b in sizes)
-        tf_models = 1 if args.quick else 3
-        (plain, plain_counts), (full, full_counts) = (
-            memory(build, None, batches, tf_models),
-            memory(build, "full", batches, tf_models),
+        timed_at = args.batches[-1] if args.batches else sizes[-1] // scale
+        batches = (
+            args.batches
+            or (MEMORY_BATCHES.get(key) if backend != "torch" else None)
+            or tuple(b // scale for b in sizes)
         )
-        # XLA's temp count can stay flat between the two batches (no growth measured).
-        less = f"{plain / full:.2f}x less" if full > 0 else "no growth with remat"
-        print(
-            f"{name}: activation bytes/example {plain:.0f} -> {full:.0f}; counts at batches "
-            f"{batches}: {plain_counts} -> {full_counts}",
-            flush=True,
-        )
-        result = step_time(build, batches[-1], repeats)
-        note = (
-            f"activation bytes/example {plain:.0f} -> {full:.0f} ({less}; "
-            f"{_memory.WHAT[keras.backend.backend()]}; counts at batches {list(batches)}: "
-            f"{plain_counts} -> {full_counts})"
-        )
+        plain, full = (memory(build, r, batches, tf_models) for r in (None, "full"))
+        result = step_time(build, timed_at, repeats)
+        note = _note(plain, full, batches)
+        print(f"{name}: {note}", flush=True)
         target = "as measured" if key == "resnet50" else "<= 1.4x"
-        claim = f"remat='full' step time, {name}, batch {batches[-1]}"
+        claim = f"remat='full' step time, {name}, batch {timed_at}"
         rows.append(row(claim, result, target, note=note))
+        if key in FLOORS:
+            plain, full = (floor_memory(key, r, batches, tf_models) for r in (False, True))
+            note = _note(plain, full, batches)
+            print(f"{name}, bare-framework floor: {note}", flush=True)
+            rows.append(
+                row(
+                    f"  (floor) bare {FRAMEWORK[backend]} per layer, step time, {name}, "
+                    f"batch {timed_at}",
+                    floor_time(key, timed_at, repeats),
+                    "-",
+                    note=note,
+                )
+            )
     finish(rows, args)
 
 

@@ -646,8 +646,10 @@ def test_benchmark_scripts_import_only_names_their_helpers_define():
         for node in tree.body:
             if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
                 names.add(node.name)
-            elif isinstance(node, ast.Assign):
-                names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+            elif isinstance(node, ast.Assign):  # `X = ...` and `A, B = ...`
+                for target in node.targets:
+                    elts = target.elts if isinstance(target, ast.Tuple) else [target]
+                    names |= {t.id for t in elts if isinstance(t, ast.Name)}
             elif isinstance(node, ast.ImportFrom | ast.Import):
                 names |= {(a.asname or a.name).split(".")[0] for a in node.names}
         defined[helper.stem] = names

@@ -272,7 +272,7 @@ def epoch_memory(model):
     TensorFlow: its CPU allocator's peak over the epoch (``"tf_allocator_peak"``, only with
     the BFC allocator, see `step_memory_unavailable`); JAX: XLA's memory analysis of the step
     `fit` compiled, for the shapes of the epoch's first batch (``"xla_memory_analysis"``, read
-    from JAX's compilation cache, so nothing is compiled again); torch: the count of
+    from JAX's compilation cache where `fit` compiled that step); torch: the count of
     `step_memory` (``"torch_saved_tensors"``) taken during the epoch's first step.
     """
     if has_accelerator():

@@ -67,10 +67,7 @@ def raw_step(
 def _tensorflow(x, y, slices, check, params):
     import tensorflow as tf
 
-    ws = [tf.Variable(p) for p in params]
-    ms = [tf.Variable(tf.zeros_like(p)) for p in params]
-    vs = [tf.Variable(tf.zeros_like(p)) for p in params]
-    t = tf.Variable(0.0)
+    ws, update, t = _tf_adam(params)
     xs, ys = tf.constant(x), tf.constant(y)
     size = len(x) // slices
 
@@ -81,14 +78,6 @@ def _tensorflow(x, y, slices, check, params):
             if i + 2 < len(ws):
                 h = tf.nn.relu(h)
         return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(yb, h))
-
-    def update(grads):
-        t.assign_add(1.0)
-        lr = LR * tf.sqrt(1 - B2**t) / (1 - B1**t)
-        for w, m, v, g in zip(ws, ms, vs, grads):
-            m.assign_add((g - m) * (1 - B1))
-            v.assign_add((tf.square(g) - v) * (1 - B2))
-            w.assign_sub(lr * m / (tf.sqrt(v) + EPS))
 
     @tf.function(autograph=False)
     def step():
@@ -112,6 +101,28 @@ def _tensorflow(x, y, slices, check, params):
         return t.read_value()
 
     return lambda: step().numpy()
+
+
+def _tf_adam(params):
+    """TensorFlow variables for `params` and Adam's update of them (as
+    `keras.optimizers.Adam`): returns `(weights, update, t)`, `update(grads)` assigning in
+    place and `t` the step count."""
+    import tensorflow as tf
+
+    ws = [tf.Variable(p) for p in params]
+    ms = [tf.Variable(tf.zeros_like(p)) for p in ws]
+    vs = [tf.Variable(tf.zeros_like(p)) for p in ws]
+    t = tf.Variable(0.0)
+
+    def update(grads):
+        t.assign_add(1.0)
+        lr = LR * tf.sqrt(1 - B2**t) / (1 - B1**t)
+        for w, m, v, g in zip(ws, ms, vs, grads):
+            m.assign_add((g - m) * (1 - B1))
+            v.assign_add((tf.square(g) - v) * (1 - B2))
+            w.assign_sub(lr * m / (tf.sqrt(v) + EPS))
+
+    return ws, update, t
 
 
 def _jax_adam(state, grads):

@@ -33,7 +33,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ._floors import B1, B2, EPS, LR, _jax_adam
+from ._floors import B1, B2, EPS, LR, _jax_adam, _tf_adam
 
 NAMES = ("mlp", "transformer")
 # Input shape of one example, per model.
@@ -150,10 +150,7 @@ def _tensorflow(name, x, y, remat):
     import tensorflow as tf
 
     ops = _Ops("tensorflow")
-    ws = [tf.Variable(p) for p in _params(name)]
-    ms = [tf.Variable(tf.zeros_like(p)) for p in ws]
-    vs = [tf.Variable(tf.zeros_like(p)) for p in ws]
-    t = tf.Variable(0.0)
+    ws, update, _ = _tf_adam(_params(name))
     xs, ys = tf.constant(x), tf.constant(y)
     wrap = tf.recompute_grad if remat else (lambda fn: fn)
 
@@ -162,13 +159,7 @@ def _tensorflow(name, x, y, remat):
         with tf.GradientTape() as tape:
             logits = _forward(name, ops, ws, xs, wrap)
             loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(ys, logits))
-        grads = tape.gradient(loss, ws)
-        t.assign_add(1.0)
-        lr = LR * tf.sqrt(1 - B2**t) / (1 - B1**t)
-        for w, m, v, g in zip(ws, ms, vs, grads):
-            m.assign_add((g - m) * (1 - B1))
-            v.assign_add((tf.square(g) - v) * (1 - B2))
-            w.assign_sub(lr * m / (tf.sqrt(v) + EPS))
+        update(tape.gradient(loss, ws))
         return loss
 
     def run():

@@ -495,3 +495,201 @@ def test_reduce_range_argument_errors(trained, data, tmp_path):
     with pytest.raises(ValueError, match="`reduce_range` goes with quantization='dynamic' or"):
         kp.export_onnx(trained, tmp_path / "m.onnx", reduce_range=True)
     assert not (tmp_path / "m.onnx").exists()
+
+
+# -- issue 41: the inference report's accuracy and agreement, as Keras' metrics count ----------
+def _tabular(n=300, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 6)).astype("float32")
+    return x, rng
+
+
+def _report(model, x, y=None, formats=("keras", "onnx")):
+    r = kp.inference_report(model, x, y, batch_sizes=(8,), formats=list(formats), repeats=1)
+    return {row["format"]: row for row in r.rows}
+
+
+def test_inference_report_accuracy_of_a_sigmoid_binary_classifier_is_keras():
+    # Regression (issue 41): a 1-unit sigmoid output gave the share of label 0 (argmax of one
+    # column is always 0): 0.441 where `evaluate` said 0.848.
+    x, _ = _tabular()
+    y = (x[:, 0] + 0.3 * x[:, 1] > 0.4).astype("int64")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1, activation="sigmoid")])
+    model.compile(keras.optimizers.Adam(0.05), "binary_crossentropy", metrics=["accuracy"])
+    model.fit(x, y, epochs=20, verbose=0)
+    expected = model.evaluate(x, y, verbose=0, return_dict=True)["accuracy"]
+    assert expected > 0.8 and abs(expected - (y == 0).mean()) > 0.05
+    rows = _report(model, x, y)
+    assert rows["keras"]["accuracy"] == pytest.approx(expected, abs=1e-6)
+    assert rows["onnx"]["accuracy"] == pytest.approx(expected, abs=1e-6)
+    # Agreement: share of examples thresholded (0.5) to the class the Keras model gives.
+    assert rows["onnx"]["agreement"] == 1.0
+    # Labels as an (n, 1) column, as Keras takes them for this model: the same number.
+    assert _report(model, x, y[:, None], ["keras"])["keras"]["accuracy"] == pytest.approx(
+        expected, abs=1e-6
+    )
+
+
+def test_inference_report_accuracy_of_integer_labels_in_a_column_is_keras():
+    # Regression (issue 41): integer labels of shape (n, 1) were all read as class 0.
+    x, rng = _tabular()
+    y = rng.integers(0, 3, size=(len(x), 1))
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+    model.compile("adam", LOSS, metrics=["accuracy"])
+    expected = model.evaluate(x, y, verbose=0, return_dict=True)["accuracy"]
+    rows = _report(model, x, y)
+    assert rows["keras"]["accuracy"] == pytest.approx(expected, abs=1e-6)
+    assert rows["onnx"]["accuracy"] == pytest.approx(expected, abs=1e-6)
+    assert _report(model, x, y[:, 0], ["keras"])["keras"]["accuracy"] == pytest.approx(expected)
+    one_hot = np.eye(3)[y[:, 0]]  # CategoricalAccuracy: the same count
+    assert _report(model, x, one_hot, ["keras"])["keras"]["accuracy"] == pytest.approx(expected)
+
+
+def test_inference_report_agreement_of_a_regression_is_the_max_abs_difference(tmp_path):
+    # Regression (issue 41): several continuous outputs got an argmax share (0.992 where the
+    # largest difference was 0.025); the docs promise the max abs difference.
+    x, _ = _tabular()
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((6,)), keras.layers.Dense(16, "relu"), keras.layers.Dense(3)]
+    )
+    model.compile("adam", "mse")
+    rows = _report(model, x, formats=["keras", "onnx-int8"])
+    assert rows["keras"]["agreement"] == 0.0
+    kp.export_onnx(model, tmp_path / "m.onnx", "int8", representative_data=x[:200])
+    diff = np.abs(kp.onnx_predict(tmp_path / "m.onnx", x) - model.predict(x, verbose=0)).max()
+    assert 0 < rows["onnx-int8"]["agreement"] == pytest.approx(diff, rel=1e-5)
+
+
+def test_inference_report_argument_errors_before_any_work():
+    x, rng = _tabular(32)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+    with pytest.raises(ValueError, match="`formats` is empty"):
+        kp.inference_report(model, x, formats=[])
+    with pytest.raises(TypeError, match="`pause` must be a number"):
+        kp.inference_report(model, x, pause="x")
+    with pytest.raises(ValueError, match="`pause` must be in"):
+        kp.inference_report(model, x, pause=-1)
+    with pytest.raises(ValueError, match=r"`y` must hold one label per example of `x` \(32\)"):
+        kp.inference_report(model, x, np.zeros(5))
+    with pytest.raises(TypeError, match="`y` must be one array of labels"):
+        kp.inference_report(model, x, {"out": np.zeros(32)})
+    with pytest.raises(ValueError, match=r"`y` has shape \(32, 4\)"):
+        kp.inference_report(model, x, np.zeros((32, 4)))
+
+
+def _dict_model():
+    a, b = keras.Input((4,), name="a"), keras.Input((2,), name="b")
+    h = keras.layers.Concatenate()([a, b])
+    return keras.Model(
+        {"a": a, "b": b}, {"p": keras.layers.Dense(3)(h), "q": keras.layers.Dense(1)(h)}
+    )
+
+
+def test_dict_input_and_output_model_exports_and_predicts_as_keras(tmp_path):
+    # Issue 41: a dict-input model was called with a list (Keras warns), a dict `x` missing an
+    # input was a KeyError, and `onnx_predict` returned a list where Keras and
+    # `tflite_predict` return a dict keyed by output name.
+    keras.utils.set_random_seed(0)
+    model = _dict_model()
+    rng = np.random.default_rng(0)
+    x = {
+        "a": rng.normal(size=(40, 4)).astype("float32"),
+        "b": rng.normal(size=(40, 2)).astype("float32"),
+    }
+    report = kp.export_onnx(model, tmp_path / "m.onnx")
+    assert report["input_order"] == ["a", "b"]
+    out, ref = kp.onnx_predict(tmp_path / "m.onnx", x), model.predict(x, verbose=0)
+    assert isinstance(out, dict) and sorted(out) == ["p", "q"]
+    for k in ref:
+        np.testing.assert_allclose(out[k], ref[k], atol=1e-5)
+    r = kp.inference_report(model, x, batch_sizes=(4,), formats=["keras", "onnx"], repeats=1)
+    assert [row["agreement"] for row in r.rows][1] < 1e-5  # regression outputs: max abs diff
+    with pytest.raises(ValueError, match=r"`x` is a dict without the model's input\(s\) \['b'\]"):
+        kp.inference_report(model, {"a": x["a"]}, formats=["keras"])
+    with pytest.raises(ValueError, match="give exactly those keys"):
+        kp.onnx_predict(tmp_path / "m.onnx", {"a": x["a"]})
+
+
+def test_onnx_predict_of_a_file_that_is_not_onnx_is_a_value_error(tmp_path):
+    # Regression (issue 41): protobuf's DecodeError.
+    path = tmp_path / "m.onnx"
+    path.write_text("hello, not a model")
+    with pytest.raises(ValueError, match="is not an ONNX model ONNX Runtime can load"):
+        kp.onnx_predict(path, np.zeros((1, 4), "float32"))
+
+
+def test_constant_calibration_data_is_refused(tmp_path):
+    # Issue 41: all-zero calibration data wrote an int8 file agreeing on 0-17 %.
+    x, _ = _tabular(64)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+    with pytest.raises(ValueError, match=r"`representative_data` is constant.*all 0"):
+        kp.export_onnx(model, tmp_path / "m.onnx", "int8", representative_data=np.zeros_like(x))
+    assert not (tmp_path / "m.onnx").exists()
+    with pytest.raises(ValueError, match="is constant"):
+        kp.inference_report(
+            model, x, formats=["onnx-int8"], representative_data=np.ones_like(x), repeats=1
+        )
+    a, b = keras.Input((6,), name="a"), keras.Input((2,), name="mask")
+    two = keras.Model([a, b], keras.layers.Dense(3)(keras.layers.Concatenate()([a, b])))
+    with pytest.warns(kp.KerasPerfWarning, match=r"constant for input 1 \('mask'\) \(all 1\)"):
+        kp.export_onnx(
+            two, tmp_path / "two.onnx", "int8", representative_data=[x, np.ones((64, 2), "float32")]
+        )
+    assert (tmp_path / "two.onnx").exists()
+
+
+def _normalized_model(x):
+    norm = keras.layers.Normalization()
+    norm.adapt(x)
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((x.shape[1],)), norm, keras.layers.Dense(3)])
+
+
+def test_adapted_normalization_exports_its_statistics_as_constants(tmp_path):
+    # Regression (issue 41): on TensorFlow the mean and variance were required graph inputs
+    # (onnx_predict refused the file, "int8" failed with ORT's "Required inputs ... missing").
+    x, _ = _tabular(200)
+    x = x * 3 + 1
+    model = _normalized_model(x)
+    ref = model.predict(x, verbose=0)
+    report = kp.export_onnx(model, tmp_path / "m.onnx")
+    assert [i["name"] for i in report["inputs"]] == report["input_order"]
+    assert len(report["inputs"]) == 1
+    np.testing.assert_allclose(kp.onnx_predict(tmp_path / "m.onnx", x), ref, atol=1e-4)
+    kp.export_onnx(model, tmp_path / "m8.onnx", "int8", representative_data=x)
+    assert np.abs(kp.onnx_predict(tmp_path / "m8.onnx", x) - ref).max() < 0.05 * np.abs(ref).max()
+    assert not isinstance(model.layers[0].mean, np.ndarray)  # The layer got its tensors back.
+
+
+@pytest.mark.backends("tensorflow")
+def test_a_graph_needing_inputs_the_model_lacks_is_refused(tmp_path, monkeypatch):
+    # The safety net under the fold: a captured tensor the exporter made a graph input.
+    import contextlib
+
+    monkeypatch.setattr(_onnx, "_constant_statistics", lambda model: contextlib.nullcontext())
+    x, _ = _tabular(50)
+    with pytest.raises(ValueError, match=r"needs 2 input\(s\) the model does not have"):
+        kp.export_onnx(_normalized_model(x), tmp_path / "m.onnx")
+    assert not (tmp_path / "m.onnx").exists()
+
+
+def test_qat_model_under_mixed_bfloat16_is_refused_with_the_fix(tmp_path):
+    # Regression (issue 41): a raw converter error blaming an op (tf2onnx: a bfloat16 Conv
+    # input; TFLite: 'tfl.mul' operands of two types).
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        qat = kp.quantize_aware(models.mlp([8], 6, 3))
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    with pytest.raises(
+        ValueError, match=r"export_onnx of a quantization-aware.*mixed_bfloat16.*set_weights"
+    ):
+        kp.export_onnx(qat, tmp_path / "q.onnx", "int8")
+    with pytest.raises(
+        ValueError, match=r"export_tflite of a quantization-aware.*set_global_policy"
+    ):
+        kp.export_tflite(qat, tmp_path / "q.tflite", "int8")
+    assert not list(tmp_path.iterdir())

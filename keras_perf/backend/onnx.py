@@ -83,7 +83,7 @@ def export_float(model, path: str) -> None:
 
     exporter = EXPORTERS.get(keras.backend.backend(), "Keras")
     try:
-        with quiet_logs():
+        with quiet_logs(), _constant_statistics(model):
             model.export(str(path), format="onnx", verbose=False)
     except ImportError:
         raise
@@ -94,6 +94,7 @@ def export_float(model, path: str) -> None:
             "backend."
         ) from e
     proto = onnx.load(str(path))
+    _refuse_extra_inputs(proto, model, exporter)
     if _rewrite_pooling(proto):
         onnx.save(proto, str(path))
     try:
@@ -104,6 +105,58 @@ def export_float(model, path: str) -> None:
             f"{_first_line(e)}. Replace the layer or op it names, or export on another Keras "
             "backend."
         ) from e
+
+
+@contextlib.contextmanager
+def _constant_statistics(model):
+    """On TensorFlow, a `Normalization`'s mean and variance as numpy arrays while Keras exports.
+
+    After `adapt` (or given to the constructor), Keras' `Normalization` holds its statistics as
+    eager tensors, not variables; the traced function captures them and tf2onnx writes each
+    capture as a required graph input (`.../Sub/y:0`, `.../Sqrt/x:0`), so the file cannot run
+    on the model's inputs alone. As numpy arrays they are traced as constants instead. The
+    layers get their tensors back afterwards. (JAX and PyTorch export them as constants.)
+    """
+    import keras
+
+    from keras_perf._utils import iter_layers
+
+    swapped = []
+    if keras.backend.backend() == "tensorflow":
+        for layer in iter_layers(model):
+            if isinstance(layer, keras.layers.Normalization) and layer.mean is not None:
+                swapped.append((layer, layer.mean, layer.variance))
+                layer.mean = keras.ops.convert_to_numpy(layer.mean)
+                layer.variance = keras.ops.convert_to_numpy(layer.variance)
+    try:
+        yield
+    finally:
+        for layer, mean, variance in swapped:
+            layer.mean, layer.variance = mean, variance
+
+
+def _refuse_extra_inputs(proto, model, exporter: str) -> None:
+    """A `ValueError` when the exported graph needs inputs the model does not have.
+
+    A tensor the traced function captured instead of reading from a variable (a layer's
+    constant held as an eager tensor) becomes a graph input on TensorFlow: such a file cannot
+    run on the model's inputs alone, and ORT's int8 calibration fails on it.
+    """
+    initializers = {i.name for i in proto.graph.initializer}
+    names = [i.name for i in proto.graph.input if i.name not in initializers]
+    wanted = len(model.inputs)
+    if len(names) <= wanted:
+        return
+    own = {t.name for t in model.inputs}
+    extra = [n for n in names if n not in own] or names[wanted:]
+    raise ValueError(
+        f"Keras' ONNX export ({exporter}) wrote a graph that needs {len(extra)} input(s) the "
+        f"model does not have ({', '.join(extra[:4])}): a layer holds a constant as a "
+        "tensor rather than a variable (as Keras' `Normalization` does), and the exporter "
+        "made it an input. Nothing was written. Hold the constant in a variable "
+        "(`self.add_weight(..., trainable=False)`) or in the layer's config, or export on "
+        "another Keras backend."
+    )
 
 
 def _first_line(e: Exception) -> str:

@@ -36,6 +36,33 @@ def quiet_tensorflow_logs():
         logger.setLevel(level)
 
 
+@contextlib.contextmanager
+def state_as_weights(model):
+    """On JAX, the model's float non-trainable variables marked trainable while Keras exports.
+
+    Keras' JAX SavedModel (jax2tf) returns the non-trainable variables from each call and
+    assigns them back, even at inference: a BatchNormalization's moving mean and variance
+    then stay float32 variables with an `ASSIGN_VARIABLE` in the TFLite file, and the
+    statistics' arithmetic is not folded, so a post-training `"int8"` file is not
+    full-integer (the same model converts on TensorFlow). Read as weights they are frozen
+    into constants like kernels. The flags are restored afterwards; nothing else changes.
+    Other backends: no change.
+    """
+    import keras
+
+    flipped = []
+    if keras.backend.backend() == "jax":
+        for v in model.non_trainable_variables:
+            if v.trainable is False and "float" in str(v.dtype):
+                v.trainable = True
+                flipped.append(v)
+    try:
+        yield
+    finally:
+        for v in flipped:
+            v.trainable = False
+
+
 def convert_saved_model(
     saved_model_dir: str,
     quantization,

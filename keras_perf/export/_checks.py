@@ -85,6 +85,19 @@ def _input_specs(model) -> list[tuple] | None:
     return [(t.name, tuple(t.shape), str(t.dtype)) for t in inputs]
 
 
+def pack_inputs(model, arrays: list):
+    """`arrays` (one per input, in `model.inputs` order) in the structure the model takes:
+    a dict for a dict-input model (a list works too, but Keras then warns that the structure
+    does not match), one array for one input, else a list."""
+    try:
+        structure = model.input
+    except (AttributeError, ValueError):
+        structure = None
+    if isinstance(structure, dict):
+        return keras.tree.pack_sequence_as(structure, list(arrays))
+    return arrays[0] if len(arrays) == 1 else list(arrays)
+
+
 def _reduced_precision_layers(model) -> list[tuple[str, str]]:
     """`(layer name, policy name)` of every layer that computes below float32."""
     found = []
@@ -94,6 +107,27 @@ def _reduced_precision_layers(model) -> list[tuple[str, str]]:
         if compute in ("float16", "bfloat16") and not isinstance(layer, keras.layers.InputLayer):
             found.append((layer.name, policy.name))
     return found
+
+
+def refuse_reduced_precision_qat(model, exporter: str) -> None:
+    """A `ValueError` for a quantization-aware model that computes in float16/bfloat16.
+
+    Its int8 export reads the learned ranges off a float32 graph; under `mixed_bfloat16` the
+    exporters write half-precision casts around the fake-quantized ops, which the converters
+    then reject with an error about an op (tf2onnx: a bfloat16 Conv input; TFLite: a `tfl.mul`
+    with operands of two types).
+    """
+    reduced = _reduced_precision_layers(model)
+    if reduced:
+        names = ", ".join(f"{name!r} ({policy})" for name, policy in reduced[:3])
+        raise ValueError(
+            f"{exporter} of a quantization-aware model needs it to compute in float32; its "
+            f"layers {names} compute in reduced precision. Nothing was written. Build the float "
+            "model again under `keras.mixed_precision.set_global_policy('float32')`, make it "
+            "quantization-aware the same way (`qat32 = kp.quantize_aware(model32, ...)`), copy "
+            "the trained weights (`qat32.set_weights(qat.get_weights())`: the variables are "
+            "float32 under mixed precision) and export `qat32`."
+        )
 
 
 # Layers that are the identity at inference and hold a random-seed state variable. Keras' JAX

@@ -196,7 +196,8 @@ def export_tflite(
 
     known_order = True
     with tempfile.TemporaryDirectory() as saved_model_dir, _tflite.quiet_tensorflow_logs():
-        model.export(saved_model_dir, format="tf_saved_model", verbose=False)
+        with _tflite.state_as_weights(model):  # JAX: BatchNormalization's statistics.
+            model.export(saved_model_dir, format="tf_saved_model", verbose=False)
         if specs is None:
             specs = _tflite.saved_model_inputs(saved_model_dir)
             if len(specs) > 1:

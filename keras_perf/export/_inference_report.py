@@ -19,7 +19,7 @@ import keras
 import numpy as np
 
 from keras_perf._imports import require
-from keras_perf._utils import check_int
+from keras_perf._utils import check_int, check_number
 
 FORMATS = ("keras", "onnx", "onnx-int8", "tflite", "tflite-int8")
 _COLUMNS = (
@@ -177,12 +177,15 @@ def inference_report(
         check_int("batch_sizes", b, minimum=1)
     if not sizes:
         raise ValueError("`batch_sizes` is empty; give at least one batch size.")
-    if float(pause) < 0:
-        raise ValueError(f"`pause` must be >= 0; got {pause!r}.")
+    pause = check_number("pause", pause, low=0)
     available = available_formats(model)
     if formats is None:
         formats = available
     formats = [formats] if isinstance(formats, str) else list(formats)
+    if not formats:
+        raise ValueError(
+            f"`formats` is empty; give at least one of {available} (or None for all of them)."
+        )
     for f in formats:
         if f not in FORMATS:
             raise ValueError(f"`formats` item {f!r} is not one of {FORMATS}.")
@@ -199,11 +202,12 @@ def inference_report(
     if calib is None:
         calib = [a[:200] for a in arrays]
         calib = calib[0] if len(calib) == 1 else calib
+    labels = _labels(y, n)
     reference = model.predict(_pack(model, arrays), verbose=0, batch_size=64)
     reference = np.asarray(keras.tree.flatten(reference)[0])
-    labels = None if y is None else np.asarray(y)
-    if labels is not None and labels.ndim > 1:
-        labels = labels.argmax(-1)
+    kind = _output_kind(model, reference)
+    if labels is not None:
+        _accuracy(reference, labels)  # The labels' shape against the output's, before exporting.
 
     with tempfile.TemporaryDirectory() as tmp:
         runners = {f: _runner(f, model, calib, tmp, threads) for f in formats}
@@ -233,7 +237,7 @@ def inference_report(
                         "latency_ms_p90": 1e3 * float(np.percentile(times[f], 90)),
                         "examples_per_s": b / p50,
                         "bytes": runners[f][2],
-                        "agreement": _agreement(out, reference),
+                        "agreement": _agreement(out, reference, kind),
                         "accuracy": None if labels is None else _accuracy(out, labels),
                     }
                 )
@@ -242,9 +246,24 @@ def inference_report(
 
 
 def _arrays(model, x) -> list[np.ndarray]:
+    """`x` as one array per input, in `model.inputs` order (checked before any work)."""
     names = [t.name for t in model.inputs]
+    try:
+        structure = model.input
+    except (AttributeError, ValueError):
+        structure = None
     if isinstance(x, dict):
-        arrays = [np.asarray(x[k]) for k in names]
+        keys = list(structure) if isinstance(structure, dict) else names
+        missing = [k for k in keys if k not in x]
+        if missing:
+            raise ValueError(
+                f"`x` is a dict without the model's input(s) {missing}: give one array per "
+                f"input, keyed {keys} (got keys {sorted(map(str, x))})."
+            )
+        if isinstance(structure, dict):
+            arrays = [np.asarray(a) for a in keras.tree.flatten({k: x[k] for k in keys})]
+        else:
+            arrays = [np.asarray(x[k]) for k in names]
     elif isinstance(x, (list, tuple)):
         arrays = [np.asarray(a) for a in x]
     else:
@@ -257,18 +276,125 @@ def _arrays(model, x) -> list[np.ndarray]:
 
 
 def _pack(model, arrays):
-    return arrays[0] if len(arrays) == 1 else list(arrays)
+    from keras_perf.export._checks import pack_inputs
+
+    return pack_inputs(model, arrays)
 
 
-def _agreement(out, reference) -> float:
-    out = np.asarray(out, dtype=np.float32)
-    if reference.ndim == 2 and reference.shape[-1] > 1:
+def _labels(y, n: int):
+    """`y` as an array with `n` examples (checked before any work), or None."""
+    if y is None:
+        return None
+    why = (
+        "`y` must be one array of labels for the model's first output (integer classes, "
+        "one-hot rows, or 0/1 for a one-unit output)"
+    )
+    if isinstance(y, dict):
+        raise TypeError(f"{why}; got a dict.")
+    try:
+        labels = np.asarray(y)
+    except ValueError as e:  # A ragged list (labels of several outputs).
+        raise TypeError(f"{why}; got a {type(y).__name__} that is not one array ({e}).") from e
+    if labels.ndim == 0 or len(labels) != n:
+        raise ValueError(
+            f"`y` must hold one label per example of `x` ({n}); got shape {labels.shape}."
+        )
+    if labels.dtype.kind not in "biuf":
+        raise ValueError(f"`y` must hold numbers (class labels); got dtype {labels.dtype}.")
+    return labels
+
+
+_CLASSIFIER_ACTIVATIONS = ("softmax", "sigmoid", "log_softmax")
+
+
+def _output_kind(model, reference) -> str:
+    """`"binary"` (one unit, thresholded at 0.5), `"classes"` (argmax) or `"values"`.
+
+    A classifier is a model whose first output comes from a softmax or sigmoid activation, or
+    that is compiled with a crossentropy (or hinge) loss (its output may be logits), or whose
+    outputs are rows of probabilities summing to 1. Anything else is a regression: its
+    agreement is the max absolute difference.
+    """
+    classifier = _output_activation(model) in _CLASSIFIER_ACTIVATIONS or _classifier_loss(model)
+    if not classifier and reference.ndim >= 2 and reference.shape[-1] > 1:
+        rows = reference.reshape(-1, reference.shape[-1])
+        classifier = bool(
+            rows.min() >= 0 and np.allclose(rows.sum(-1), 1.0, atol=1e-3) and len(rows) > 1
+        )
+    if not classifier or reference.ndim == 0:
+        return "values"
+    return "binary" if reference.ndim == 1 or reference.shape[-1] == 1 else "classes"
+
+
+def _output_activation(model) -> str | None:
+    """The name of the activation that makes `model`'s first output, if one is found."""
+    try:
+        layer = model.outputs[0]._keras_history[0]
+    except (AttributeError, IndexError, TypeError, ValueError):
+        layers = getattr(model, "layers", None)
+        layer = layers[-1] if layers else None
+    while isinstance(layer, keras.Model) and layer.layers:  # A nested model: its last layer.
+        layer = layer.layers[-1]
+    activation = getattr(layer, "activation", None)
+    name = getattr(activation, "__name__", None)
+    if name is None and isinstance(activation, str):
+        name = activation
+    return name
+
+
+def _classifier_loss(model) -> bool:
+    loss = getattr(model, "loss", None)
+    loss = keras.tree.flatten(loss)[0] if isinstance(loss, (list, tuple, dict)) else loss
+    if loss is None:
+        return False
+    name = (
+        loss
+        if isinstance(loss, str)
+        else getattr(loss, "name", None) or getattr(loss, "__name__", type(loss).__name__)
+    )
+    name = str(name).lower()
+    return "crossentropy" in name or "hinge" in name or name in ("ce", "kl_divergence")
+
+
+def _agreement(out, reference, kind: str) -> float:
+    """Share of examples classified as the Keras model does (`"binary"`: thresholded at 0.5,
+    `"classes"`: argmax), or the max absolute difference (`"values"`)."""
+    out = np.asarray(out, dtype=np.float32).reshape(reference.shape)
+    if kind == "binary":
+        return float(((out > 0.5) == (reference > 0.5)).mean())
+    if kind == "classes":
         return float((out.argmax(-1) == reference.argmax(-1)).mean())
     return float(np.abs(out - reference).max())
 
 
 def _accuracy(out, labels) -> float:
-    return float((np.asarray(out).argmax(-1) == labels.reshape(-1)).mean())
+    """Keras' `"accuracy"` for these shapes (`compile_utils.get_metric`): binary accuracy
+    (threshold 0.5) for a one-unit output, sparse categorical for integer labels of shape
+    `(n,)` or `(n, 1)`, categorical for one-hot labels."""
+    out = np.asarray(out, dtype=np.float32)
+    if out.ndim == 1 or out.shape[-1] == 1:  # BinaryAccuracy
+        predicted = (out.reshape(len(out), -1) > 0.5).astype(np.float32)
+        truth = labels.reshape(len(labels), -1).astype(np.float32)
+        if truth.shape != predicted.shape:
+            raise ValueError(
+                f"`y` has shape {labels.shape}; the model's output {out.shape}: give one 0/1 "
+                "label per example."
+            )
+        return float((predicted == truth).mean())
+    if labels.ndim < out.ndim or labels.shape[-1] == 1:  # SparseCategoricalAccuracy
+        truth = labels.reshape(out.shape[:-1]) if labels.size == out[..., 0].size else None
+        if truth is None:
+            raise ValueError(
+                f"`y` has shape {labels.shape}; the model's output {out.shape}: give integer "
+                "classes (one per example) or one-hot rows."
+            )
+        return float((out.argmax(-1) == truth.astype(np.int64)).mean())
+    if labels.shape != out.shape:
+        raise ValueError(
+            f"`y` has shape {labels.shape}; the model's output {out.shape}: give integer "
+            "classes (one per example) or one-hot rows of the output's width."
+        )
+    return float((out.argmax(-1) == labels.argmax(-1)).mean())  # CategoricalAccuracy
 
 
 def _runner(fmt, model, calib, tmp, threads):

@@ -25,6 +25,8 @@ from keras_perf.export._checks import (
     _input_count,
     _input_specs,
     export_twin,
+    pack_inputs,
+    refuse_reduced_precision_qat,
 )
 
 QUANTIZATIONS = (None, "float16", "dynamic", "int8")
@@ -117,6 +119,8 @@ def export_onnx(
             "A quantization-aware model is exported with quantization='int8' (its learned "
             f"ranges); got quantization={quantization!r}. Export the float model for other modes."
         )
+    if qat:
+        refuse_reduced_precision_qat(model, "export_onnx")
     if qat and representative_data is not None:
         raise ValueError(
             "`representative_data` is not used for a quantization-aware model: its activation "
@@ -180,7 +184,7 @@ def export_onnx(
             cache = os.path.join(tmp, "ranges.json")
             _onnx.quantize(prepared, out, "int8", reader, ranges, cache, reduce_range=reduce_range)
             _refuse_float(out, qat)
-        _write(out, path, names)
+        _write(out, path, names, _output_keys(model))
     return {**_report(path, quantization), "reduce_range": bool(reduce_range)}
 
 
@@ -189,7 +193,7 @@ def _call_once(model, specs):
         np.zeros([1 if d is None else d for d in (1, *shape[1:])], dtype=dtype)
         for _, shape, dtype in specs
     ]
-    model(x[0] if len(x) == 1 else x, training=False)
+    model(pack_inputs(model, x), training=False)
 
 
 def _file_inputs(path, names: list[str]) -> list[str]:
@@ -238,13 +242,28 @@ def _refuse_float(path, qat: bool) -> None:
         )
 
 
-def _write(src, path: Path, names: list[str]) -> None:
+def _output_keys(model) -> list[str] | None:
+    """The keys of a dict-output model's outputs, in the order the exporters write them
+    (`keras.tree.flatten`'s: sorted); `None` for any other model."""
+    try:
+        structure = model.output
+    except (AttributeError, ValueError):
+        return None
+    if not isinstance(structure, dict) or any(isinstance(v, dict) for v in structure.values()):
+        return None
+    return [str(k) for k in sorted(structure)]
+
+
+def _write(src, path: Path, names: list[str], output_keys: list[str] | None = None) -> None:
     import onnx
 
     proto = onnx.load(str(src))
     del proto.metadata_props[:]
     entry = proto.metadata_props.add()
-    entry.key, entry.value = METADATA_KEY, json.dumps({"inputs": names})
+    stored = {"inputs": names}
+    if output_keys is not None and len(output_keys) == len(proto.graph.output):
+        stored["outputs"] = output_keys  # `onnx_predict` returns a dict with these keys.
+    entry.key, entry.value = METADATA_KEY, json.dumps(stored)
     tmp = path.with_name(path.name + ".tmp")
     onnx.save(proto, str(tmp))
     shutil.move(str(tmp), str(path))

@@ -19,8 +19,10 @@ def onnx_predict(path: str | os.PathLike, x, batch_size: int | None = None, *, n
 
     Inputs are taken as `model.predict` takes them: one array for a one-input model; for
     several inputs a list in `model.inputs` order (the order `export_onnx` stores in the
-    file) or a dict keyed by input name. Outputs come back as numpy arrays: one array for one
-    output, a list in the file's order for several.
+    file) or a dict keyed by input name. Outputs come back as `model.predict` returns them
+    (as `tflite_predict` does): one array for one output, a list in the file's order for
+    several, a dict keyed by output name for a dict-output model (the keys `export_onnx`
+    stores in the file).
 
     Args:
         path: The `.onnx` file.
@@ -31,13 +33,15 @@ def onnx_predict(path: str | os.PathLike, x, batch_size: int | None = None, *, n
             core). Defaults to `None`.
 
     Returns:
-        A numpy array, or a list of arrays for a file with several outputs.
+        A numpy array, a list of arrays for a file with several outputs, or a dict of arrays
+        for a dict-output model's file.
 
     Raises:
         ImportError: `onnxruntime` is not installed (the `onnx` extra).
         TypeError: a bad argument type.
-        ValueError: `batch_size`/`num_threads` below 1; the inputs do not match the file's
-            (number, names, shapes, example counts, none at all).
+        ValueError: `batch_size`/`num_threads` below 1; `path` is not an ONNX file ONNX
+            Runtime can load; the inputs do not match the file's (number, names, shapes,
+            example counts, none at all).
 
     Example:
         >>> import keras, numpy as np, keras_perf as kp
@@ -55,15 +59,39 @@ def onnx_predict(path: str | os.PathLike, x, batch_size: int | None = None, *, n
     _onnx.require_onnx("onnx_predict")
     if not os.path.isfile(path):
         raise ValueError(f"`path` {str(path)!r} is not a file.")
-    sess = _onnx.session(path, num_threads)
+    sess = _session(path, num_threads)
     outputs = _onnx.run(sess, feeds(sess, x), batch_size)
+    keys = stored_outputs(sess)
+    if keys is not None and len(keys) == len(outputs):
+        return dict(zip(keys, outputs))
     return outputs[0] if len(outputs) == 1 else outputs
 
 
+def _session(path, num_threads):
+    """ONNX Runtime's session of `path`, or a `ValueError` for a file it cannot load."""
+    try:
+        return _onnx.session(path, num_threads)
+    except Exception as e:  # protobuf's DecodeError, ORT's InvalidProtobuf/Fail...
+        raise ValueError(
+            f"`path` {str(path)!r} is not an ONNX model ONNX Runtime can load "
+            f"({type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e).strip() else ''})"
+            ". Pass a file written by `kp.export_onnx` (or `model.export(path, format='onnx')`)."
+        ) from e
+
+
 def stored_order(sess) -> list[str] | None:
+    return _stored(sess, "inputs")
+
+
+def stored_outputs(sess) -> list[str] | None:
+    """A dict-output model's output keys, in the file's output order (`export_onnx`)."""
+    return _stored(sess, "outputs")
+
+
+def _stored(sess, key: str) -> list[str] | None:
     raw = sess.get_modelmeta().custom_metadata_map.get(METADATA_KEY)
     try:
-        return list(json.loads(raw)["inputs"]) if raw else None
+        return list(json.loads(raw)[key]) if raw else None
     except (ValueError, KeyError, TypeError):
         return None
 

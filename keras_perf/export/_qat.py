@@ -23,7 +23,7 @@ import tempfile
 import keras
 
 from keras_perf.backend import tflite as _tflite
-from keras_perf.export._checks import _check_path, _input_specs
+from keras_perf.export._checks import _check_path, _input_specs, refuse_reduced_precision_qat
 from keras_perf.export._errors import RECURRENT, describe_layers, graph_layers, select_tf_ops_error
 from keras_perf.export._metadata import METADATA_NAME, _report
 from keras_perf.export._tensorflow_process import _export_via_tensorflow_process
@@ -47,6 +47,7 @@ def export_quantized(
         )
     if not model.built or not model.inputs:
         raise ValueError("`model` is not built; give it an `Input` before exporting.")
+    refuse_reduced_precision_qat(model, "export_tflite")
     check_learned_ranges(model, "TFLite's int8 export")  # 8 bits, learned: before any file
     path = _check_path(path)
     if keras.backend.backend() != "tensorflow":

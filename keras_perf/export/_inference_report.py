@@ -139,7 +139,9 @@ def inference_report(
         model: A built Sequential or Functional model (a `kp.quantize_aware` model exports
             int8 formats only, from its learned ranges).
         x: Inputs, as `model.predict` takes them (one array, or a list/dict per input).
-        y: Integer labels (or one-hot) for `accuracy`. Defaults to `None` (no accuracy).
+        y: Labels of the model's first output for `accuracy`, as Keras' `"accuracy"` metric
+            takes them: integer classes of shape `(n,)` or `(n, 1)`, one-hot rows, or 0/1 for
+            a one-unit output. Defaults to `None` (no accuracy).
         batch_sizes: Batch sizes to time (batches are the first examples of `x`, repeated
             when `x` is shorter). Defaults to `(1, 64)`.
         formats: Any of `"keras"` (`predict_on_batch`), `"onnx"`, `"onnx-int8"`, `"tflite"`,
@@ -152,12 +154,16 @@ def inference_report(
 
     Returns:
         An `InferenceReport`: `rows` (dicts with `format`, `batch_size`, `latency_ms_p50`,
-        `latency_ms_p90`, `examples_per_s`, `bytes`, `agreement` (share of argmax equal to
-        the Keras model's for a classifier, else max abs difference), `accuracy`); prints as
-        a table; `to_dict()`, `plot(path)`.
+        `latency_ms_p90`, `examples_per_s`, `bytes`, `agreement` (for a classifier the share
+        of examples given the Keras model's class: argmax, or threshold 0.5 for one unit;
+        else the max abs difference), `accuracy` (Keras' `"accuracy"` for these shapes));
+        prints as a table; `to_dict()`, `plot(path)`.
 
     Raises:
-        ValueError: an unknown or unavailable format, a bad batch size, `x` with no examples.
+        TypeError: a bad argument type (`pause` not a number, `y` a dict).
+        ValueError: an unknown or unavailable format, `formats` empty, a bad batch size or
+            `pause`, `x` with no examples or a dict `x` without an input, `y` whose length
+            or shape does not fit the model's output.
         ImportError: a format's package is missing (named with its extra).
 
     Example:

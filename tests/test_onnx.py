@@ -509,6 +509,7 @@ def _report(model, x, y=None, formats=("keras", "onnx")):
     return {row["format"]: row for row in r.rows}
 
 
+@pytest.mark.slow
 def test_inference_report_accuracy_of_a_sigmoid_binary_classifier_is_keras():
     # Regression (issue 41): a 1-unit sigmoid output gave the share of label 0 (argmax of one
     # column is always 0): 0.441 where `evaluate` said 0.848.
@@ -547,6 +548,7 @@ def test_inference_report_accuracy_of_integer_labels_in_a_column_is_keras():
     assert _report(model, x, one_hot, ["keras"])["keras"]["accuracy"] == pytest.approx(expected)
 
 
+@pytest.mark.slow
 def test_inference_report_agreement_of_a_regression_is_the_max_abs_difference(tmp_path):
     # Regression (issue 41): several continuous outputs got an argmax share (0.992 where the
     # largest difference was 0.025); the docs promise the max abs difference.

@@ -695,3 +695,29 @@ def test_qat_model_under_mixed_bfloat16_is_refused_with_the_fix(tmp_path):
     ):
         kp.export_tflite(qat, tmp_path / "q.tflite", "int8")
     assert not list(tmp_path.iterdir())
+
+
+def test_agreement_follows_the_kind_of_output():
+    # Issue 41: agreement is a class share for a classifier, the max abs difference otherwise.
+    from keras_perf.export._inference_report import _agreement, _output_kind
+
+    def model(units, activation=None, loss=None):
+        m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(units, activation=activation)])
+        if loss is not None:
+            m.compile("sgd", loss)
+        return m
+
+    ref = np.array([[0.2, 0.9], [0.7, 0.4], [0.6, 0.1], [0.3, 0.8]], "float32")
+    out = ref + np.array([[0.8, 0], [0, 0], [0, 0], [0, 0.02]], "float32")  # row 0 moves class
+    assert _output_kind(model(2), ref) == "values"
+    assert _agreement(out, ref, "values") == pytest.approx(0.8)
+    assert _output_kind(model(2, "softmax"), ref) == "classes"
+    assert _output_kind(model(2, loss=LOSS), ref) == "classes"  # logits, crossentropy loss
+    assert _agreement(out, ref, "classes") == 0.75
+    assert _output_kind(model(2, "sigmoid"), ref) == "binary"  # multi-label: every unit
+    assert _agreement(out, ref, "binary") == 0.75
+    one = ref[:, :1]
+    assert _output_kind(model(1, "sigmoid"), one) == "binary"
+    assert _output_kind(model(1, loss="binary_crossentropy"), one) == "binary"
+    assert _output_kind(model(1, loss="mse"), one) == "values"
+    assert _agreement(one + np.float32([[0.4], [0], [0], [0]]), one, "binary") == 0.75

@@ -314,14 +314,16 @@ _CLASSIFIER_ACTIVATIONS = ("softmax", "sigmoid", "log_softmax")
 
 
 def _output_kind(model, reference) -> str:
-    """`"binary"` (one unit, thresholded at 0.5), `"classes"` (argmax) or `"values"`.
+    """`"binary"` (thresholded at 0.5: one unit, or sigmoid units), `"classes"` (argmax) or
+    `"values"`.
 
     A classifier is a model whose first output comes from a softmax or sigmoid activation, or
     that is compiled with a crossentropy (or hinge) loss (its output may be logits), or whose
     outputs are rows of probabilities summing to 1. Anything else is a regression: its
     agreement is the max absolute difference.
     """
-    classifier = _output_activation(model) in _CLASSIFIER_ACTIVATIONS or _classifier_loss(model)
+    activation = _output_activation(model)
+    classifier = activation in _CLASSIFIER_ACTIVATIONS or _classifier_loss(model)
     if not classifier and reference.ndim >= 2 and reference.shape[-1] > 1:
         rows = reference.reshape(-1, reference.shape[-1])
         classifier = bool(
@@ -329,7 +331,9 @@ def _output_kind(model, reference) -> str:
         )
     if not classifier or reference.ndim == 0:
         return "values"
-    return "binary" if reference.ndim == 1 or reference.shape[-1] == 1 else "classes"
+    if reference.ndim == 1 or reference.shape[-1] == 1 or activation == "sigmoid":
+        return "binary"  # Sigmoid units (multi-label): every unit's class must agree.
+    return "classes"
 
 
 def _output_activation(model) -> str | None:
@@ -367,7 +371,8 @@ def _agreement(out, reference, kind: str) -> float:
     `"classes"`: argmax), or the max absolute difference (`"values"`)."""
     out = np.asarray(out, dtype=np.float32).reshape(reference.shape)
     if kind == "binary":
-        return float(((out > 0.5) == (reference > 0.5)).mean())
+        same = (out > 0.5) == (reference > 0.5)
+        return float(same.reshape(len(same), -1).all(-1).mean())
     if kind == "classes":
         return float((out.argmax(-1) == reference.argmax(-1)).mean())
     return float(np.abs(out - reference).max())

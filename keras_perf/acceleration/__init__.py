@@ -206,6 +206,22 @@ def _run(model, source, max_seconds, exact, apply, notes):
 
     rows = []
     base = _entry(ctx, _candidates.baseline(ctx), fit_kwargs, rows)
+    if base is None and _dmeasure.make_twin(model) is None:
+        notes.append(
+            "Keras could not clone this model (give it a get_config): nothing was measured, "
+            "as accelerate never trains the model itself; nothing changed."
+        )
+        return Acceleration(
+            chosen={},
+            speedup=1.0,
+            rows=[],
+            applied=False,
+            notes=notes,
+            backend=keras.backend.backend(),
+            batch_size=B,
+            steps=steps,
+            seconds=time.perf_counter() - t_start,
+        )
     if base is None:
         raise ValueError(f"accelerate: fit rejects this data or model: {rows[0]['note']}")
     entries = [base]

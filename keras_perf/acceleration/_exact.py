@@ -38,7 +38,7 @@ def no_dropout(model) -> None:
         ):
             layer.rate = 0.0
         for attr in ("dropout", "recurrent_dropout", "_dropout"):
-            value = getattr(layer, attr, None)
+            value = vars(layer).get(attr)  # instance attributes (an RNN's are cell properties)
             if isinstance(value, float) and value > 0:
                 setattr(layer, attr, 0.0)
 

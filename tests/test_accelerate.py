@@ -350,3 +350,38 @@ def test_traced_step_candidate_when_the_module_is_there():
     row = next(row for row in r.rows if row["settings"] == {"traced_step": True})
     assert row["examples_per_s"] is not None or row["note"]
     assert torch_traced.traced_step_state(model)["active"] is False
+
+
+@pytest.mark.backends("torch")
+def test_a_model_the_traced_step_cannot_trace_falls_back_and_says_why():
+    pytest.importorskip("keras_perf.train_step.torch_traced")
+
+    class Branchy(keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.a, self.b = keras.layers.Dense(3), keras.layers.Dense(3)
+
+        def call(self, x):
+            # Data-dependent Python control flow: no single graph follows both branches.
+            return self.a(x) if float(keras.ops.sum(x)) > 0 else self.b(x)
+
+    model = Branchy()
+    model.compile("adam", SCE)
+    x, y = _data(128)
+    r = kp.accelerate(model, x, y, batch_size=32, max_seconds=1)
+    row = next(row for row in r.rows if row["settings"] == {"traced_step": True})
+    assert not row["chosen"] and row["note"]
+    assert "traced_step" not in r.chosen
+
+
+@pytest.mark.backends("torch")
+def test_diagnose_offers_the_torch_candidates():
+    x, y = _data(512)
+    d = kp.diagnose(_mlp(), x, y, batch_size=32, steps=10, max_seconds=3)
+    assert any("torch.compile" in n for n in d.notes), d.notes  # budget below 30 s: says so
+    try:
+        import keras_perf.train_step.torch_traced  # noqa: F401
+    except ImportError:
+        assert any("traced train step not offered: not available" in n for n in d.notes)
+    else:
+        assert any(w["change"] == "keras-perf traced step (torch)" for w in d.what_if), str(d)

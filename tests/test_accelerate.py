@@ -385,3 +385,16 @@ def test_diagnose_offers_the_torch_candidates():
         assert any("traced train step not offered: not available" in n for n in d.notes)
     else:
         assert any(w["change"] == "keras-perf traced step (torch)" for w in d.what_if), str(d)
+
+
+@pytest.mark.backends("tensorflow", "jax")
+def test_models_rebuilt_from_the_compile_config_keep_the_settings():
+    """`kp.fit_with_oom_retry`'s micro-batching rung wraps the model with `kp.loss_scaled`,
+    which compiles the new model from `get_compile_config()`: the applied settings carry over."""
+    model = _mlp()
+    _apply.apply(model, {"steps_per_execution": 4, "jit_compile": True})
+    rung = kp.loss_scaled(model, microbatches=2)
+    assert rung.steps_per_execution == 4 and rung.jit_compile is True
+    x, y = _data(128)
+    h = kp.fit_with_oom_retry(model, x, y, batch_size=32, epochs=1, verbose=0)
+    assert np.isfinite(h.history["loss"]).all() and model.steps_per_execution == 4

@@ -168,7 +168,7 @@ def _entry(ctx, candidate, fit_kwargs, rows_out):
         entry = _measure.Entry(candidate, twin, fit_kwargs, steps)
         _measure.warm_up(entry)
         return entry
-    except _candidates.Unavailable as e:
+    except _apply.Unavailable as e:
         rows_out.append(_row(candidate, None, None, None, note=str(e)))
     except Exception as e:  # noqa: BLE001 - a candidate that fails is listed, not fatal
         rows_out.append(_row(candidate, None, None, None, note=f"failed: {e}"[:200]))
@@ -288,7 +288,7 @@ def _run(model, source, max_seconds, exact, apply, notes):
         try:
             _apply.apply(model, chosen)
             applied = True
-        except _candidates.Unavailable as e:
+        except _apply.Unavailable as e:
             notes.append(f"{chosen_row['candidate']} could not be applied: {e}")
             chosen, chosen_row = {}, None
     best_eps = chosen_row["examples_per_s"] if chosen_row else base_eps

@@ -22,9 +22,23 @@ def applicable(settings) -> bool:
     return all(k in KNOWN for k in settings)
 
 
-def install_traced(model) -> None:
-    from keras_perf.acceleration._candidates import NOT_AVAILABLE, Unavailable, torch_traced
+NOT_AVAILABLE = "not available in this build"
 
+
+class Unavailable(Exception):
+    """A candidate that cannot run (or be applied) on this model; the message says why."""
+
+
+def torch_traced():
+    """keras-perf's traced torch train step module, or None when this build lacks it."""
+    try:
+        from keras_perf.train_step import torch_traced as module
+    except ImportError:
+        return None
+    return module
+
+
+def install_traced(model) -> None:
     module = torch_traced()
     if module is None:
         raise Unavailable(NOT_AVAILABLE)

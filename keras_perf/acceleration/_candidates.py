@@ -18,11 +18,11 @@ import keras
 
 from keras_perf import backend as _backend
 from keras_perf.acceleration import _apply
+from keras_perf.acceleration._apply import NOT_AVAILABLE, Unavailable, torch_traced
 from keras_perf.diagnosis._measure import compile_twin, make_twin
 
 # `steps_per_execution` values tried (capped by the steps of one measurement).
 SPE_VALUES = (4, 16, 64)
-NOT_AVAILABLE = "not available in this build"
 # torch.compile is tried only with a budget of at least this many seconds.
 TORCH_COMPILE_MIN_SECONDS = 30
 
@@ -44,19 +44,6 @@ class Candidate:
         self.exact_lever = exact_lever
         self.note = note
         self.steps_multiple = steps_multiple
-
-
-class Unavailable(Exception):
-    """A candidate that cannot run on this model (the message says why)."""
-
-
-def torch_traced():
-    """keras-perf's traced torch train step module, or None when this build lacks it."""
-    try:
-        from keras_perf.train_step import torch_traced as module
-    except ImportError:
-        return None
-    return module
 
 
 def recompiled_twin(ctx, **changes):

@@ -100,6 +100,7 @@ def test_uncompiled_model_and_bad_data_are_refused():
 # -- measuring: the report, the model untouched ----------------------------------------------
 
 
+@pytest.mark.slow  # 10-50 s: every candidate's twin compiled twice (timing, exactness)
 def test_apply_false_measures_only_and_the_report_is_complete():
     model = _mlp(dropout=0.3)
     x, y = _data()

@@ -33,6 +33,8 @@ __version__ = "0.1.0"
 # that is public itself maps to itself.
 _EXPORTS = {
     "backend": "keras_perf.backend",
+    "Acceleration": "keras_perf.acceleration",
+    "accelerate": "keras_perf.acceleration",
     "KerasPerfWarning": "keras_perf._utils",
     "ChannelPruningCallback": "keras_perf.channel_pruning",
     "channel_report": "keras_perf.channel_pruning",

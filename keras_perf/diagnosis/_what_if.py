@@ -255,11 +255,25 @@ def _jit_compile(ctx, notes) -> Change | None:
     if twin.jit_compile:
         return None
     if keras.backend.backend() == "torch":
-        notes.append(
-            "jit_compile=True (torch.compile) not measured: its first compile can take longer "
-            "than the whole time budget."
+        if ctx.compile_args.get("run_eagerly"):
+            return None
+        if ctx.max_seconds < TORCH_COMPILE_MIN_SECONDS:
+            notes.append(
+                "jit_compile=True (torch.compile) not measured: its first compile can take "
+                f"longer than the whole time budget (tried from max_seconds="
+                f"{TORCH_COMPILE_MIN_SECONDS} on)."
+            )
+            return None
+        return Change(
+            "jit_compile=True (torch.compile)",
+            "model.compile(..., jit_compile=True)  # or kp.accelerate(model, x, y)",
+            ctx.base_fit_kwargs,
+            ctx.batch_size,
+            lambda: compile_twin(twin, args, jit_compile=True),
+            lambda: compile_twin(twin, args),
+            # torch.compile's first compile: many times a plain first step.
+            trace_factor=20.0,
         )
-        return None
     if not _compiles_in_graph(ctx):
         return None
     return Change(
@@ -313,6 +327,42 @@ def _mixed_precision(ctx, notes) -> Change | None:
     )
 
 
+def _torch_traced_step(ctx, notes) -> Change | None:
+    """keras-perf's traced torch train step (`keras_perf.train_step.torch_traced`), where this
+    build has it: the same step without Keras' per-layer Python overhead."""
+    if keras.backend.backend() != "torch" or ctx.compile_args.get("run_eagerly"):
+        return None
+    try:
+        from keras_perf.train_step import torch_traced
+    except ImportError:
+        notes.append("keras-perf's traced train step not offered: not available in this build.")
+        return None
+    twin = ctx.twin
+    if torch_traced.traced_step_state(twin).get("active"):
+        return None
+
+    def install():
+        torch_traced.install_traced_step(twin)
+        state = torch_traced.traced_step_state(twin)
+        if not state.get("active"):
+            notes.append(
+                f"keras-perf's traced train step fell back to Keras' own: {state.get('reason')}"
+            )
+
+    return Change(
+        "keras-perf traced step (torch)",
+        "kp.accelerate(model, x, y)  # measures it and installs it where it pays",
+        ctx.base_fit_kwargs,
+        ctx.batch_size,
+        install,
+        lambda: torch_traced.remove_traced_step(twin),
+        trace_factor=4.0,  # traced once per input signature
+    )
+
+
+# torch.compile is measured only with a budget of at least this many seconds.
+TORCH_COMPILE_MIN_SECONDS = 30
+
 # The changes in the order they are offered (and their notes written). Data-side changes touch
 # the input or the batch; compile-side ones recompile the twin, which needs a clone of the model.
 DATA_CHANGES = (
@@ -323,7 +373,7 @@ DATA_CHANGES = (
     _tf_data_cache,
     _larger_batch,
 )
-COMPILE_CHANGES = (_steps_per_execution, _jit_compile, _mixed_precision)
+COMPILE_CHANGES = (_steps_per_execution, _jit_compile, _torch_traced_step, _mixed_precision)
 
 
 def candidates(ctx) -> tuple[list[Change], list[str]]:

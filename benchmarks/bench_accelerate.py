@@ -1,0 +1,189 @@
+"""`kp.accelerate`: plain `fit` against `fit` after `kp.accelerate`, and against the bare floor.
+
+The zoo of issue 40: an MLP 64-256-256-10, a small CNN at 28x28, a Transformer encoder (2
+blocks, d 128, seq 64), an LSTM classifier, a small ResNet with BatchNormalization at 32x32 and a
+dict-input model (`--quick`: the MLP and the CNN only, smaller data). For each: two models with
+the same weights, one accelerated (`kp.accelerate(..., max_seconds=...)`, its report printed),
+both warmed up, then whole epochs of `fit` alternated A B B A, the median of the ratios (wall
+and process CPU time). For the MLP, the bare-framework floor too (`_floors.raw_step`: the same
+MLP and Adam written in tf.function / jax.jit / torch), an epoch of its steps against an epoch
+of the accelerated `fit`.
+
+Ratios below 1 in the first rows are the gain (`fit` after accelerate / plain `fit`); the floor
+row is accelerated `fit` / bare framework (target <= 1.15).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from benchmarks import _floors, _harness
+
+
+def mlp(keras):
+    return keras.Sequential(
+        [
+            keras.Input((64,)),
+            keras.layers.Dense(256, activation="relu"),
+            keras.layers.Dense(256, activation="relu"),
+            keras.layers.Dense(10),
+        ]
+    )
+
+
+def cnn(keras):
+    return keras.Sequential(
+        [
+            keras.Input((28, 28, 1)),
+            keras.layers.Conv2D(16, 3, activation="relu"),
+            keras.layers.MaxPooling2D(),
+            keras.layers.Conv2D(32, 3, activation="relu"),
+            keras.layers.MaxPooling2D(),
+            keras.layers.Flatten(),
+            keras.layers.Dense(10),
+        ]
+    )
+
+
+def transformer(keras, d=128, seq=64, vocab=1000):
+    tokens = keras.Input((seq,), dtype="int32")
+    h = keras.layers.Embedding(vocab, d)(tokens)
+    for _ in range(2):
+        a = keras.layers.MultiHeadAttention(4, d // 4)(h, h)
+        h = keras.layers.LayerNormalization()(h + a)
+        f = keras.layers.Dense(4 * d, activation="relu")(h)
+        h = keras.layers.LayerNormalization()(h + keras.layers.Dense(d)(f))
+    out = keras.layers.Dense(10)(keras.layers.GlobalAveragePooling1D()(h))
+    return keras.Model(tokens, out)
+
+
+def lstm(keras, seq=32, vocab=1000):
+    return keras.Sequential(
+        [
+            keras.Input((seq,), dtype="int32"),
+            keras.layers.Embedding(vocab, 64),
+            keras.layers.LSTM(64),
+            keras.layers.Dense(10),
+        ]
+    )
+
+
+def resnet(keras):
+    def block(h, filters, stride):
+        s = h
+        h = keras.layers.Conv2D(filters, 3, stride, padding="same", use_bias=False)(h)
+        h = keras.layers.ReLU()(keras.layers.BatchNormalization()(h))
+        h = keras.layers.Conv2D(filters, 3, padding="same", use_bias=False)(h)
+        h = keras.layers.BatchNormalization()(h)
+        if stride != 1 or s.shape[-1] != filters:
+            s = keras.layers.Conv2D(filters, 1, stride, use_bias=False)(s)
+        return keras.layers.ReLU()(h + s)
+
+    x = keras.Input((32, 32, 3))
+    h = keras.layers.Conv2D(16, 3, padding="same", use_bias=False)(x)
+    h = keras.layers.ReLU()(keras.layers.BatchNormalization()(h))
+    for filters, stride in ((16, 1), (32, 2), (64, 2)):
+        h = block(h, filters, stride)
+    out = keras.layers.Dense(10)(keras.layers.GlobalAveragePooling2D()(h))
+    return keras.Model(x, out)
+
+
+def dict_input(keras):
+    a, b = keras.Input((32,), name="a"), keras.Input((8,), name="b")
+    h = keras.layers.Concatenate()([keras.layers.Dense(64, activation="relu")(a), b])
+    return keras.Model({"a": a, "b": b}, keras.layers.Dense(10)(h))
+
+
+def data(name, n, rng):
+    y = rng.integers(0, 10, n).astype("int32")
+    if name == "MLP 64-256-256-10":
+        return rng.normal(size=(n, 64)).astype("float32"), y
+    if name == "small CNN 28x28":
+        return rng.normal(size=(n, 28, 28, 1)).astype("float32"), y
+    if name == "Transformer encoder (2 blocks, d 128, seq 64)":
+        return rng.integers(0, 1000, (n, 64)).astype("int32"), y
+    if name == "LSTM classifier":
+        return rng.integers(0, 1000, (n, 32)).astype("int32"), y
+    if name == "small ResNet + BatchNorm 32x32":
+        return rng.normal(size=(n, 32, 32, 3)).astype("float32"), y
+    return {
+        "a": rng.normal(size=(n, 32)).astype("float32"),
+        "b": rng.normal(size=(n, 8)).astype("float32"),
+    }, y
+
+
+ZOO = {
+    "MLP 64-256-256-10": mlp,
+    "small CNN 28x28": cnn,
+    "Transformer encoder (2 blocks, d 128, seq 64)": transformer,
+    "LSTM classifier": lstm,
+    "small ResNet + BatchNorm 32x32": resnet,
+    "dict-input model": dict_input,
+}
+QUICK = ("MLP 64-256-256-10", "small CNN 28x28")
+
+
+def measure(name, build, n, batch, max_seconds, repeats, rows):
+    import keras
+
+    import keras_perf as kp
+
+    rng = np.random.default_rng(0)
+    x, y = data(name, n, rng)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    plain = build(keras)
+    plain.compile(keras.optimizers.Adam(1e-3), loss)
+    fast = keras.models.clone_model(plain)
+    fast.set_weights(plain.get_weights())
+    fast.compile(keras.optimizers.Adam(1e-3), loss)
+    r = kp.accelerate(fast, x, y, batch_size=batch, max_seconds=max_seconds)
+    print(f"\n{name}:\n{r}\n", flush=True)
+
+    def epoch(model):
+        return lambda: model.fit(x, y, batch_size=batch, epochs=1, verbose=0)
+
+    for m in (plain, fast):
+        epoch(m)()  # warm-up: trace and compile
+    res = _harness.abba(epoch(plain), epoch(fast), repeats=repeats)
+    chosen = r.chosen or "nothing"
+    rows.append(
+        _harness.row(
+            f"accelerate: fit after / plain fit ({name})",
+            res,
+            "<= 1.05",
+            note=f"chosen {chosen}; r.speedup {r.speedup:.2f}x (measured by accelerate)",
+        )
+    )
+    if build is mlp:
+        steps = n // batch
+        step = _floors.raw_step(x[:batch], y[:batch], sizes=(64, 256, 256, 10))
+
+        def floor():
+            for _ in range(steps):
+                step()
+
+        res = _harness.abba(floor, epoch(fast), repeats=repeats)
+        rows.append(
+            _harness.row(
+                f"accelerate: fit after / bare framework ({name})",
+                res,
+                "<= 1.15",
+                note="floor: _floors.raw_step, the same MLP and Adam on the bare backend",
+            )
+        )
+
+
+def main() -> None:
+    args = _harness.parse_args(__doc__.splitlines()[0])
+    n = 2048 if args.quick else 8192
+    repeats = 3 if args.quick else 5
+    max_seconds = 2 if args.quick else 30  # --quick: a smoke run inside bench.QUICK_BUDGET_S
+    rows: list[dict] = []
+    names = QUICK if args.quick else tuple(ZOO)
+    for name in names:
+        measure(name, ZOO[name], n, 64, max_seconds, repeats, rows)
+    _harness.finish(rows, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,370 @@
+"""`kp.accelerate`: the fastest exact execution settings for a model, measured and applied.
+
+The modules: `_candidates` (what is tried, per backend: a plug-in table), `_measure` (the
+alternated timing of real `fit` calls on twins), `_exact` (a few steps against the model's own
+settings), `_apply` (in place on the user's model) and `_report` (the table and JSON).
+"""
+
+from __future__ import annotations
+
+import time
+
+import keras
+import numpy as np
+
+from keras_perf._utils import check_bool, check_int, check_number
+from keras_perf.acceleration import _apply, _candidates, _exact, _measure
+from keras_perf.acceleration._report import Acceleration
+from keras_perf.diagnosis import _data
+from keras_perf.diagnosis import _measure as _dmeasure
+
+__all__ = ["Acceleration", "accelerate"]
+
+NOISE = 0.05  # a candidate must beat the model's own settings by more than this to be chosen
+MAX_STEPS = 64  # steps per timed fit (fewer when an epoch is shorter)
+GENERATOR_BATCHES = 64  # batches taken from a one-pass generator
+PHASE_ONE = 0.7  # share of max_seconds for the single settings; the rest for the pairs
+
+
+class _Context:
+    """What the candidates read: the model, its compile arguments and the data."""
+
+    def __init__(self, model, source, batch_size, steps, examples, max_seconds):
+        self.model = model
+        self.max_seconds = max_seconds
+        self.compile_args = _dmeasure.compile_args(model)
+        self.source = source
+        self.batch_size = batch_size
+        self.steps = steps
+        self.examples = examples
+
+
+def _check(model, batch_size, max_seconds, exact, apply):
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"accelerate: `model` must be a keras.Model, got {type(model).__name__}.")
+    if not getattr(model, "compiled", False) or getattr(model, "optimizer", None) is None:
+        raise ValueError(
+            "accelerate: `model` is not compiled; call `model.compile(optimizer=..., loss=...)` "
+            "first, as for fit."
+        )
+    check_number("max_seconds", max_seconds, low=0.0, low_inclusive=False)
+    check_int("batch_size", batch_size, minimum=1, allow_none=True)
+    check_bool("exact", exact)
+    check_bool("apply", apply)
+
+
+def _source(x, y, batch_size):
+    """`diagnose`'s reading of the data; a one-pass generator is read once into memory."""
+    try:
+        source = _data.make_source(x, y, batch_size, GENERATOR_BATCHES)
+    except (ValueError, TypeError) as e:
+        raise type(e)(str(e).replace("diagnose:", "accelerate:", 1)) from None
+    notes = []
+    if source.one_pass:
+        batches = list(source.recorder())
+        if not batches:
+            raise ValueError("accelerate: the generator `x` yielded no batches.")
+        size = _data.leading_dim(batches[0])
+        stacked = _data.stack(batches, size)
+        if stacked is None:
+            raise ValueError("accelerate: the generator `x` yielded no full batch.")
+        (xs, ys, sws), n = stacked
+        notes.append(
+            f"one-pass input: took {len(batches)} batches from it (at most "
+            f"{GENERATOR_BATCHES}, as kp.diagnose reads one) and measured on them in memory"
+            + ("; their sample weights were left out." if sws is not None else ".")
+        )
+        source = _data.ArraySource(xs, ys, size)
+    return source, notes
+
+
+def _exactness_data(source, batch_size):
+    """`_exact.STEPS` batches as (x, y, sample_weight) arrays."""
+    if source.kind == "arrays":
+        n = min(_exact.STEPS * batch_size, source.examples)
+        xs = keras.tree.map_structure(lambda a: keras.ops.convert_to_numpy(a)[:n], source.x)
+        ys = (
+            None
+            if source.y is None
+            else keras.tree.map_structure(lambda a: keras.ops.convert_to_numpy(a)[:n], source.y)
+        )
+        return xs, ys, None
+    batches, _ = source.take(_exact.STEPS)
+    stacked = _data.stack(batches, batch_size)
+    return None if stacked is None else stacked[0]
+
+
+def accelerate(model, x, y=None, batch_size=None, *, max_seconds=60, exact=True, apply=True):
+    """Measure the execution settings that apply to this backend, apply the fastest exact one.
+
+    Every candidate (TensorFlow: `jit_compile` on/off, `steps_per_execution` 4/16/64 and the
+    pair of the two that pay; JAX: `steps_per_execution`; torch: Keras' `jit_compile=True`
+    (`torch.compile`) and keras-perf's traced train step; everywhere: mixed precision where it
+    may pay and twice the batch, listed but not applied) is timed with real `fit` calls on its
+    own twin of `model` with this data, in alternated rounds, and checked against the model's
+    own settings for exactness (a few steps from the same weights and batches). `model` itself
+    is never trained: the fastest exact candidate that beats its own settings by more than 5 %
+    is set on it in place (same object, weights, optimizer state, loss and metrics), and the
+    next `model.fit` runs with it. `model.compile(...)` again makes it plain Keras.
+
+    Args:
+        model: A compiled `keras.Model`.
+        x: The training data as `fit` takes it (arrays or a dict/list of them, a
+            `tf.data.Dataset`, a `keras.utils.PyDataset`, a torch `DataLoader`, or a
+            generator: at most 64 batches are taken from it, as `kp.diagnose` reads one).
+        y: Targets when `x` is arrays. Defaults to `None`.
+        batch_size: Batch size when `x` is arrays. Defaults to `None` (32, as in `fit`).
+        max_seconds: Time budget for the timed fits, not counting the first trace and
+            compilation of each candidate's train function. Defaults to `60`.
+        exact: Only exact candidates may be chosen. Defaults to `True`.
+        apply: Set the chosen settings on `model`. Defaults to `True` (`False`: measure only).
+
+    Returns:
+        An `Acceleration`: `chosen`, `speedup`, `rows`, `to_dict()`; `print` it for a table.
+
+    Raises:
+        ValueError: An uncompiled model, `max_seconds <= 0`, `batch_size < 1`, or data `fit`
+            rejects (before anything is measured; `model` untouched).
+        TypeError: Arguments of the wrong type.
+
+    Example:
+
+    ```python
+    import keras, numpy as np
+    import keras_perf as kp
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+    model.compile("sgd", "mse")
+    x, y = np.zeros((256, 8), "float32"), np.zeros((256, 1), "float32")
+    r = kp.accelerate(model, x, y, batch_size=16, max_seconds=2)
+    print(r.chosen, r.speedup >= 1.0)
+    ```
+    """
+    _check(model, batch_size, max_seconds, exact, apply)
+    source, notes = _source(x, y, batch_size)
+    rng = _dmeasure.RandomState()
+    try:
+        return _run(model, source, float(max_seconds), exact, apply, notes)
+    finally:
+        rng.restore()
+
+
+def _batch_size(source) -> int:
+    if source.batch_size is not None:
+        return source.batch_size
+    batches, _ = source.take(1)
+    size = _data.leading_dim(batches[0]) if batches else None
+    if size is None:
+        raise ValueError(f"accelerate: could not read a batch from the {source.kind} `x`.")
+    return size
+
+
+def _entry(ctx, candidate, fit_kwargs, rows_out):
+    """The candidate's twin, warmed up; None (and a row saying why) where it cannot run."""
+    try:
+        twin = candidate.make()
+        steps = max(ctx.steps // candidate.steps_multiple, 1) * candidate.steps_multiple
+        if candidate.batch_size != ctx.batch_size:
+            steps = max(ctx.steps // 2, 1)
+        entry = _measure.Entry(candidate, twin, fit_kwargs, steps)
+        _measure.warm_up(entry)
+        return entry
+    except _apply.Unavailable as e:
+        rows_out.append(_row(candidate, None, None, None, note=str(e)))
+    except Exception as e:  # noqa: BLE001 - a candidate that fails is listed, not fatal
+        rows_out.append(_row(candidate, None, None, None, note=f"failed: {e}"[:200]))
+    return None
+
+
+def _row(candidate, eps, exact_ok, diff, note=None, speedup=None):
+    return {
+        "candidate": candidate.name,
+        "settings": dict(candidate.settings),
+        "examples_per_s": eps,
+        "speedup": speedup,
+        "exact": exact_ok,
+        "max_abs_diff": diff,
+        "chosen": False,
+        "note": note if note is not None else candidate.note,
+    }
+
+
+def _run(model, source, max_seconds, exact, apply, notes):
+    t_start = time.perf_counter()
+    B = _batch_size(source)
+    if source.kind == "arrays":
+        fit_kwargs = source.fit_kwargs()
+        examples = source.examples
+        per_epoch = source.batches_per_epoch
+    else:
+        fit_kwargs = source.fit_kwargs()
+        examples = None
+        per_epoch = source.batches_per_epoch
+    steps = min(MAX_STEPS, per_epoch) if per_epoch else MAX_STEPS
+    ctx = _Context(model, source, B, steps, examples, max_seconds)
+    offered, offer_notes = _candidates.candidates(ctx)
+    notes.extend(offer_notes)
+
+    rows = []
+    base = _entry(ctx, _candidates.baseline(ctx), fit_kwargs, rows)
+    if base is None and _dmeasure.make_twin(model) is None:
+        notes.append(
+            "Keras could not clone this model (give it a get_config): nothing was measured, "
+            "as accelerate never trains the model itself; nothing changed."
+        )
+        return Acceleration(
+            chosen={},
+            speedup=1.0,
+            rows=[],
+            applied=False,
+            notes=notes,
+            backend=keras.backend.backend(),
+            batch_size=B,
+            steps=steps,
+            seconds=time.perf_counter() - t_start,
+        )
+    if base is None:
+        raise ValueError(f"accelerate: fit rejects this data or model: {rows[0]['note']}")
+    entries = [base]
+    for c in offered:
+        kw = fit_kwargs if c.batch_size == B else source.fit_kwargs(batch_size=c.batch_size)
+        e = _entry(ctx, c, kw, rows)
+        if e is not None:
+            entries.append(e)
+
+    data = _exactness_data(source, B)
+    checker = _Exactness(ctx, data, B, notes)
+    checks = {}
+    for e in entries[1:]:
+        checks[id(e)] = checker.check(e.candidate)
+
+    _measure.alternate(entries, max_seconds * PHASE_ONE)
+
+    # The pairs of single settings that each paid.
+    base_eps = base.examples_per_s
+    winners = sorted(
+        (
+            e
+            for e in entries[1:]
+            if e.candidate.exact_lever
+            and checks[id(e)][0] is not False
+            and e.examples_per_s > base_eps * (1 + NOISE)
+        ),
+        key=lambda e: -e.examples_per_s,
+    )
+    new = []
+    for c in _candidates.pairs(ctx, [w.candidate for w in winners]):
+        e = _entry(ctx, c, fit_kwargs, rows)
+        if e is not None:
+            checks[id(e)] = checker.check(c)
+            new.append(e)
+    if new:
+        second = [base, *winners[:1], *new]
+        _measure.alternate(second, max(max_seconds * (1 - PHASE_ONE), 0.0))
+        entries.extend(new)
+
+    base_eps = base.examples_per_s
+    measured = []
+    for e in entries:
+        eps = e.examples_per_s
+        ok, diff = (True, 0.0) if e is base else checks[id(e)]
+        measured.append((e, _row(e.candidate, eps, ok, diff, speedup=eps / base_eps)))
+
+    chosen_row, chosen = None, {}
+    eligible = [
+        (e, r)
+        for e, r in measured
+        if e is not base
+        and _apply.applicable(e.candidate.settings)
+        and e.candidate.exact_lever
+        and (r["exact"] is True or not exact)
+        and r["speedup"] > 1 + NOISE
+    ]
+    if eligible:
+        _, chosen_row = max(eligible, key=lambda er: er[1]["examples_per_s"])
+        chosen = dict(chosen_row["settings"])
+
+    applied = False
+    if chosen and apply:
+        try:
+            _apply.apply(model, chosen)
+            applied = True
+        except _apply.Unavailable as e:
+            notes.append(f"{chosen_row['candidate']} could not be applied: {e}")
+            chosen, chosen_row = {}, None
+    best_eps = chosen_row["examples_per_s"] if chosen_row else base_eps
+    for e, r in measured:
+        r["note"] = _why(e, r, base, chosen_row, exact, apply, best_eps)
+        if r is chosen_row:
+            r["chosen"] = True
+    all_rows = [r for _, r in measured]
+    all_rows.sort(key=lambda r: -r["examples_per_s"])
+    all_rows.extend(rows)
+    speedup = chosen_row["speedup"] if chosen_row else 1.0
+    return Acceleration(
+        chosen=chosen,
+        speedup=float(max(speedup, 1.0)),
+        rows=all_rows,
+        applied=applied,
+        notes=notes,
+        backend=keras.backend.backend(),
+        batch_size=B,
+        steps=steps,
+        seconds=time.perf_counter() - t_start,
+    )
+
+
+def _why(e, r, base, chosen_row, exact, apply, best_eps) -> str | None:
+    c = e.candidate
+    if r is chosen_row:
+        return "applied" if apply else "fastest exact: not applied (apply=False)"
+    if e is base:
+        return "the baseline" + ("" if chosen_row else ": kept (nothing faster by more than 5 %)")
+    if not c.exact_lever:
+        lead = f"{r['speedup']:.2f}x, not exact: " if r["speedup"] > 1 + NOISE else "not exact: "
+        return lead + (c.note or "changes the result")
+    if r["exact"] is False and exact:
+        return f"not exact (max |diff| {r['max_abs_diff']:.1e}): not applied with exact=True"
+    if r["speedup"] <= 1 + NOISE:
+        if r["speedup"] < 1 - NOISE:
+            return "slower than the model's own settings"
+        return "within 5 % of the model's own settings (noise)"
+    if r["examples_per_s"] < best_eps:
+        return "slower than the chosen one"
+    return c.note
+
+
+class _Exactness:
+    """A reference twin trained a few steps with the model's own settings, once; then each
+    candidate's twin from the same start, compared with it (`_exact.compare`)."""
+
+    def __init__(self, ctx, data, batch_size, notes):
+        self.ctx, self.data, self.B, self.notes = ctx, data, batch_size, notes
+        self.reference = None
+        self.skip = _exact.biases_before_batchnorm(ctx.model)
+        if data is None:
+            notes.append("exactness not checked: no full batch could be read from `x`.")
+        elif self.skip:
+            notes.append(
+                f"{len(self.skip)} bias(es) feeding BatchNormalization left out of the weight "
+                "comparison; the model's outputs on a batch are compared instead."
+            )
+
+    def _trained(self, make):
+        twin = make()
+        _exact.no_dropout(twin)
+        _exact.train_twin(twin, self.data, self.B)
+        return twin
+
+    def check(self, candidate):
+        """(exact, max_abs_diff); (None, None) where not checked."""
+        if self.data is None or not candidate.exact_lever:
+            return None, None
+        try:
+            if self.reference is None:
+                self.reference = self._trained(_candidates.recompiled_twin(self.ctx))
+            twin = self._trained(candidate.make)
+        except Exception as e:  # noqa: BLE001 - listed, not fatal
+            self.notes.append(f"exactness of {candidate.name} not checked: {e}"[:200])
+            return None, None
+        ok, diff = _exact.compare(self.reference, twin, self.data, self.B, self.skip)
+        return ok, float(np.float64(diff))

@@ -1,0 +1,66 @@
+"""Setting the chosen execution settings on the user's model, in place.
+
+`jit_compile` and `steps_per_execution` are the Trainer's own attributes (Keras 3.15): set, the
+cached train/test/predict functions dropped so that the next `fit` traces them anew with the
+same model, optimizer (its variables and `iterations`), loss and metrics. They are also written
+into the compile config Keras keeps (`model.get_compile_config()`), so that `model.save` /
+`load_model` and the models keras-perf rebuilds from that config (`kp.loss_scaled`, as
+`kp.fit_with_oom_retry`'s rungs call it) keep them. `model.compile(...)` again replaces all of
+it: the model is plain Keras again.
+
+`traced_step` installs keras-perf's traced torch train step (`install_traced_step`).
+"""
+
+from __future__ import annotations
+
+COMPILE_SETTINGS = ("jit_compile", "steps_per_execution")
+# Settings `accelerate` can apply; the others (dtype_policy, batch_size) are the user's to make.
+KNOWN = COMPILE_SETTINGS + ("traced_step",)
+
+
+def applicable(settings) -> bool:
+    return all(k in KNOWN for k in settings)
+
+
+NOT_AVAILABLE = "not available in this build"
+
+
+class Unavailable(Exception):
+    """A candidate that cannot run (or be applied) on this model; the message says why."""
+
+
+def torch_traced():
+    """keras-perf's traced torch train step module, or None when this build lacks it."""
+    try:
+        from keras_perf.train_step import torch_traced as module
+    except ImportError:
+        return None
+    return module
+
+
+def install_traced(model) -> None:
+    module = torch_traced()
+    if module is None:
+        raise Unavailable(NOT_AVAILABLE)
+    module.install_traced_step(model)
+    state = module.traced_step_state(model)
+    if not state.get("active"):
+        raise Unavailable(f"keras-perf's traced step fell back: {state.get('reason')}")
+
+
+def apply(model, settings) -> None:
+    """Set `settings` on `model` in place."""
+    for key in COMPILE_SETTINGS:
+        if key in settings:
+            setattr(model, key, settings[key])
+    stored = getattr(model, "_compile_config", None)  # private; present since Keras 3.0
+    config = getattr(stored, "config", None)
+    if isinstance(config, dict):
+        for key in COMPILE_SETTINGS:
+            if key in settings:
+                config[key] = settings[key]
+    model.train_function = None
+    model.test_function = None
+    model.predict_function = None
+    if settings.get("traced_step"):
+        install_traced(model)

@@ -1,0 +1,113 @@
+"""Exactness: does a candidate train the model as its own settings do?
+
+Two twins start from the user's weights (fresh optimizers of the same config), one with the
+model's own settings and one with the candidate's; both train `STEPS` steps on the same
+batches, in the same order (`shuffle=False`). Then:
+
+- every weight is compared: exact when `|a - b| <= ATOL + RTOL * max|b|` for each variable
+  (`b` the reference's values: float32 rounding, relative to the variable's own scale);
+- a bias that feeds a BatchNormalization directly carries no signal (the normalisation
+  subtracts it again), so its few-ulp differences can grow through Adam's division by a tiny
+  second moment: it is left out, and the model's outputs on the first batch (inference mode)
+  are compared instead, with `OUT_ATOL + OUT_RTOL * max|output|`;
+- dropout is set to rate 0 on both twins (Dropout layers, the `dropout` and
+  `recurrent_dropout` of recurrent cells, attention dropout): a candidate can draw other masks
+  from the same seed (XLA's random numbers differ from TensorFlow's), which is no reason to
+  call it inexact.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+
+from keras_perf._utils import iter_layers
+from keras_perf.diagnosis._measure import RandomState
+
+STEPS = 4
+RTOL, ATOL = 1e-5, 1e-6
+OUT_RTOL, OUT_ATOL = 1e-4, 1e-5
+
+
+def no_dropout(model) -> None:
+    """Dropout rates at 0 in every layer of `model` (a twin)."""
+    for layer in iter_layers(model):
+        if isinstance(layer, keras.layers.Dropout) or type(layer).__name__ in (
+            "GaussianDropout",
+            "AlphaDropout",
+        ):
+            layer.rate = 0.0
+        for attr in ("dropout", "recurrent_dropout", "_dropout"):
+            value = vars(layer).get(attr)  # instance attributes (an RNN's are cell properties)
+            if isinstance(value, float) and value > 0:
+                setattr(layer, attr, 0.0)
+
+
+def _successors(layer) -> list:
+    out = []
+    for node in getattr(layer, "_outbound_nodes", []) or []:
+        op = getattr(node, "operation", None)
+        if op is not None:
+            out.append(op)
+    return out
+
+
+def biases_before_batchnorm(model) -> set:
+    """Paths of the bias variables of layers whose output goes straight into a BatchNorm."""
+    paths = set()
+    layers = list(iter_layers(model))
+    for i, layer in enumerate(layers):
+        bias = getattr(layer, "bias", None)
+        if bias is None or not hasattr(bias, "path"):
+            continue
+        after = _successors(layer)
+        if not after and isinstance(model, keras.Sequential) and i + 1 < len(layers):
+            after = [layers[i + 1]]
+        if after and all(isinstance(a, keras.layers.BatchNormalization) for a in after):
+            paths.add(bias.path)
+    return paths
+
+
+def train_twin(twin, data, batch_size) -> None:
+    xs, ys, sws = data
+    rng = RandomState()
+    try:
+        keras.utils.set_random_seed(1234)
+        twin.fit(
+            xs, ys, sample_weight=sws, batch_size=batch_size, epochs=1, shuffle=False, verbose=0
+        )
+    finally:
+        rng.restore()
+
+
+def _first_batch(xs, batch_size):
+    return keras.tree.map_structure(lambda a: a[:batch_size], xs)
+
+
+def compare(reference, candidate, data, batch_size, skip) -> tuple[bool, float]:
+    """(exact, max abs weight difference) of two twins trained on `data`."""
+    exact, worst = True, 0.0
+    for a, b in zip(candidate.weights, reference.weights):
+        if a.path in skip:
+            continue
+        va = np.asarray(keras.ops.convert_to_numpy(a.value), dtype="float64")
+        vb = np.asarray(keras.ops.convert_to_numpy(b.value), dtype="float64")
+        if va.shape != vb.shape:
+            return False, float("inf")
+        if not va.size:
+            continue
+        d = float(np.max(np.abs(va - vb)))
+        worst = max(worst, d)
+        if not d <= ATOL + RTOL * float(np.max(np.abs(vb))):
+            exact = False
+    if skip:
+        first = _first_batch(data[0], batch_size)
+        out_a = keras.tree.flatten(candidate.predict_on_batch(first))
+        out_b = keras.tree.flatten(reference.predict_on_batch(first))
+        for oa, ob in zip(out_a, out_b):
+            oa = np.asarray(keras.ops.convert_to_numpy(oa), "float64")
+            ob = np.asarray(keras.ops.convert_to_numpy(ob), "float64")
+            d = float(np.max(np.abs(oa - ob))) if oa.size else 0.0
+            if not d <= OUT_ATOL + OUT_RTOL * float(np.max(np.abs(ob), initial=0.0)):
+                exact = False
+    return exact, worst

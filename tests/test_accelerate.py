@@ -1,0 +1,401 @@
+"""`kp.accelerate`: measured execution settings, checked for exactness, applied in place.
+
+No test asserts a speed-up (the machine is shared and loaded): they assert the structure of
+the report, that measuring leaves the model untouched, and that a model with the settings
+applied trains exactly as one compiled with them by hand.
+"""
+
+import json
+
+import keras
+import numpy as np
+import pytest
+
+import keras_perf as kp
+from keras_perf.acceleration import _apply, _exact
+from keras_perf.diagnosis._measure import compile_args, compile_twin
+from tests import models
+
+BACKEND = keras.backend.backend()
+SCE = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+ROW_KEYS = {
+    "candidate",
+    "settings",
+    "examples_per_s",
+    "speedup",
+    "exact",
+    "max_abs_diff",
+    "chosen",
+    "note",
+}
+
+
+def _mlp(dropout=0.0):
+    layers = [keras.Input((8,)), keras.layers.Dense(16, activation="relu")]
+    if dropout:
+        layers.append(keras.layers.Dropout(dropout))
+    model = keras.Sequential(layers + [keras.layers.Dense(3)])
+    model.compile("adam", SCE, metrics=["accuracy"])
+    return model
+
+
+def _data(n=256, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, 8)).astype("float32"), rng.integers(0, 3, n).astype("int32")
+
+
+def _state(model):
+    values = [keras.ops.convert_to_numpy(v.value).copy() for v in model.variables]
+    opt = [keras.ops.convert_to_numpy(v.value).copy() for v in model.optimizer.variables]
+    metrics = [keras.ops.convert_to_numpy(v.value).copy() for v in model.metrics_variables]
+    settings = (model.jit_compile, model.steps_per_execution, model.train_function)
+    return values, opt, metrics, settings
+
+
+def _same_state(a, b):
+    for xs, ys in zip(a[:3], b[:3]):
+        assert len(xs) == len(ys)
+        for x, y in zip(xs, ys):
+            np.testing.assert_array_equal(x, y)
+    assert a[3][:2] == b[3][:2]
+
+
+# -- bad arguments: an error naming the argument, before anything runs --------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"max_seconds": 0}, ValueError, "max_seconds"),
+        ({"max_seconds": -1.0}, ValueError, "max_seconds"),
+        ({"batch_size": 0}, ValueError, "batch_size"),
+        ({"exact": "yes"}, TypeError, "exact"),
+        ({"apply": 1}, TypeError, "apply"),
+    ],
+)
+def test_bad_arguments_leave_the_model_untouched(kwargs, error, match):
+    model = _mlp()
+    x, y = _data(64)
+    model.fit(x, y, epochs=1, verbose=0)
+    before = _state(model)
+    with pytest.raises(error, match=match):
+        kp.accelerate(model, x, y, **kwargs)
+    _same_state(before, _state(model))
+
+
+def test_uncompiled_model_and_bad_data_are_refused():
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
+    x, y = _data(64)
+    with pytest.raises(ValueError, match="not compiled"):
+        kp.accelerate(model, x, y)
+    model = _mlp()
+    with pytest.raises(TypeError, match="accelerate: `x` must be"):
+        kp.accelerate(model, "data.csv", y)
+    with pytest.raises(ValueError, match="accelerate: `x` has 64 examples but `y` has 10"):
+        kp.accelerate(model, x, y[:10])
+    with pytest.raises(ValueError, match="`batch_size` must be None"):
+        kp.accelerate(model, (b for b in [(x, y)]), batch_size=8)
+
+
+# -- measuring: the report, the model untouched ----------------------------------------------
+
+
+@pytest.mark.slow  # 10-50 s: every candidate's twin compiled twice (timing, exactness)
+def test_apply_false_measures_only_and_the_report_is_complete():
+    model = _mlp(dropout=0.3)
+    x, y = _data()
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)  # optimizer and metrics have state
+    before = _state(model)
+    r = kp.accelerate(model, x, y, batch_size=32, max_seconds=1, apply=False)
+    _same_state(before, _state(model))
+    assert r.applied is False
+    assert r.speedup >= 1.0
+    assert r.rows and all(set(row) == ROW_KEYS for row in r.rows)
+    base = [row for row in r.rows if row["settings"] == {}]
+    assert len(base) == 1 and base[0]["exact"] is True and base[0]["speedup"] == 1.0
+    measured = [row for row in r.rows if row["examples_per_s"] is not None]
+    speeds = [row["examples_per_s"] for row in measured]
+    assert speeds == sorted(speeds, reverse=True)  # best first
+    chosen = [row for row in r.rows if row["chosen"]]
+    assert len(chosen) == (1 if r.chosen else 0)
+    if r.chosen:
+        assert chosen[0]["settings"] == r.chosen and chosen[0]["exact"] is True
+        assert chosen[0]["speedup"] > 1.05
+    for row in r.rows:  # every other candidate says why it lost or was not measured
+        assert row["chosen"] or row["note"]
+    json.dumps(r.to_dict())
+    text = str(r)
+    assert "examples/s" in text and "model's own settings" in text
+    if BACKEND in ("tensorflow", "jax"):
+        names = {row["candidate"] for row in r.rows}
+        assert "steps_per_execution=4" in names
+        # Dropout is compared at rate 0: the settings are exact on a model with dropout.
+        for row in r.rows:
+            if set(row["settings"]) <= {"jit_compile", "steps_per_execution"}:
+                assert row["exact"] is True, row
+    if BACKEND == "torch":
+        traced = [row for row in r.rows if row["settings"] == {"traced_step": True}]
+        assert len(traced) == 1
+
+
+@pytest.mark.slow
+def test_not_exact_levers_are_listed_never_applied():
+    model = _mlp()
+    x, y = _data(512)
+    r = kp.accelerate(model, x, y, batch_size=32, max_seconds=1, exact=False)
+    big = [row for row in r.rows if row["settings"] == {"batch_size": 64}]
+    assert len(big) == 1 and big[0]["exact"] is None and not big[0]["chosen"]
+    assert "batch_size" not in r.chosen and "dtype_policy" not in r.chosen
+
+
+@pytest.mark.slow
+def test_a_one_pass_generator_is_read_once_into_memory():
+    model = _mlp()
+    x, y = _data(320)
+    pulled = []
+
+    def gen():
+        for i in range(0, 320, 32):
+            pulled.append(i)
+            yield x[i : i + 32], y[i : i + 32]
+
+    r = kp.accelerate(model, gen(), max_seconds=1, apply=False)
+    assert len(pulled) == 10
+    assert r.batch_size == 32
+    assert any("one-pass input: took 10 batches" in n for n in r.notes)
+
+
+# -- applying: the same model object, the next fit as with the settings set by hand ----------
+
+
+def _family(name):
+    """(model, x, y) for a model family; models built and compiled with Adam."""
+    rng = np.random.default_rng(1)
+    if name == "mlp":
+        model, (x, y) = _mlp(), _data(128)
+    elif name == "cnn_bn":
+        model = keras.Sequential(
+            [
+                keras.Input((8, 8, 1)),
+                keras.layers.Conv2D(4, 3),
+                keras.layers.BatchNormalization(),
+                keras.layers.ReLU(),
+                keras.layers.Flatten(),
+                keras.layers.Dense(3),
+            ]
+        )
+        model.compile("adam", SCE)
+        x = rng.normal(size=(128, 8, 8, 1)).astype("float32")
+        y = rng.integers(0, 3, 128).astype("int32")
+    elif name == "lstm":
+        model = keras.Sequential(
+            [
+                keras.Input((6,), dtype="int32"),
+                keras.layers.Embedding(20, 4),
+                keras.layers.LSTM(5),
+                keras.layers.Dense(3),
+            ]
+        )
+        model.compile("adam", SCE)
+        x = rng.integers(0, 20, (128, 6)).astype("int32")
+        y = rng.integers(0, 3, 128).astype("int32")
+    elif name == "dict":
+        arch = models.ARCHS["dict_io"]
+        model = models.compile_model(arch, arch.build(), optimizer=keras.optimizers.Adam())
+        x, y, _ = models.make_data(arch, n=128)
+    else:
+        arch = models.ARCHS["subclassed"]
+        model = models.compile_model(arch, arch.build(), optimizer=keras.optimizers.Adam())
+        x, y, _ = models.make_data(arch, n=128)
+    return model, x, y
+
+
+def _settings():
+    if BACKEND == "torch":
+        return {"jit_compile": False}  # torch.compile's cost is kept out of the default tier
+    return {"jit_compile": True, "steps_per_execution": 4}
+
+
+@pytest.mark.parametrize(
+    "family",
+    ["mlp"]
+    + [pytest.param(f, marks=pytest.mark.slow) for f in ("cnn_bn", "lstm", "dict", "subclassed")],
+)
+def test_applied_settings_train_as_settings_set_by_hand(family):
+    model, x, y = _family(family)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+    by_hand = keras.models.clone_model(model)
+    by_hand.set_weights(model.get_weights())
+    compile_twin(by_hand, compile_args(model), **_settings())  # the model's own arguments
+    by_hand.optimizer.build(by_hand.trainable_variables)
+    for a, b in zip(by_hand.optimizer.variables, model.optimizer.variables):
+        a.assign(np.array(keras.ops.convert_to_numpy(b.value)))
+    obj, optimizer, iterations = model, model.optimizer, int(model.optimizer.iterations)
+    _apply.apply(model, _settings())
+    assert model is obj and model.optimizer is optimizer
+    assert int(model.optimizer.iterations) == iterations
+    for key, value in _settings().items():
+        assert getattr(model, key) == value
+        assert model.get_compile_config()[key] == value
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+    by_hand.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+    for a, b in zip(model.get_weights(), by_hand.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert int(model.optimizer.iterations) == iterations + 8
+
+
+@pytest.mark.slow
+def test_accelerate_applies_in_place_and_the_next_fit_is_exact():
+    model = _mlp()
+    x, y = _data()
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    reference = keras.models.clone_model(model)
+    reference.set_weights(model.get_weights())
+    opt = model.optimizer
+    r = kp.accelerate(model, x, y, batch_size=32, max_seconds=1)
+    assert model.optimizer is opt and int(opt.iterations) == 8
+    assert r.applied == bool(r.chosen)
+    for key, value in r.chosen.items():
+        assert getattr(model, key) == value
+    # The reference: the same start, with the chosen settings set by hand.
+    reference.compile(
+        type(opt).from_config(opt.get_config()), SCE, metrics=["accuracy"], **r.chosen
+    )
+    reference.optimizer.build(reference.trainable_variables)
+    for a, b in zip(reference.optimizer.variables, opt.variables):
+        a.assign(np.array(keras.ops.convert_to_numpy(b.value)))
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0, shuffle=False)
+    reference.fit(x, y, batch_size=32, epochs=1, verbose=0, shuffle=False)
+    for a, b in zip(model.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.backends("tensorflow", "jax")
+def test_save_load_and_compile_again_after_apply(tmp_path):
+    model = _mlp()
+    x, y = _data(64)
+    _apply.apply(model, {"steps_per_execution": 4})
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    path = str(tmp_path / "m.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert loaded.steps_per_execution == 4
+    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), atol=1e-6)
+    model.compile("adam", SCE)  # compiled again: plain Keras
+    assert model.steps_per_execution == 1 and model.get_compile_config()["steps_per_execution"] == 1
+
+
+def test_exactness_leaves_out_a_bias_before_batchnorm():
+    model, _, _ = _family("cnn_bn")
+    skip = _exact.biases_before_batchnorm(model)
+    assert skip == {model.layers[0].bias.path}
+
+
+def test_dropout_is_set_to_rate_zero_on_the_twins():
+    model = keras.Sequential(
+        [
+            keras.Input((5, 3)),
+            keras.layers.LSTM(4, dropout=0.2, recurrent_dropout=0.1, return_sequences=True),
+            keras.layers.Dropout(0.5),
+            keras.layers.Flatten(),
+            keras.layers.Dense(2),
+        ]
+    )
+    _exact.no_dropout(model)
+    lstm = model.layers[0]
+    assert model.layers[1].rate == 0.0
+    assert lstm.cell.dropout == 0.0 and lstm.cell.recurrent_dropout == 0.0
+
+
+# -- composition ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_loss_scaled_model_keeps_its_settings():
+    model = kp.loss_scaled(_mlp(), microbatches=2, clipnorm=1.0)
+    x, y = _data()
+    r = kp.accelerate(model, x, y, batch_size=32, max_seconds=1)
+    assert model.microbatches == 2 and model.clipnorm == 1.0
+    h = model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    assert np.isfinite(h.history["loss"]).all()
+    assert isinstance(r.chosen, dict)
+
+
+@pytest.mark.slow
+def test_monitor_early_stopping_and_distillation_after_accelerate():
+    x, y = _data()
+    model = _mlp()
+    kp.accelerate(model, x, y, batch_size=32, max_seconds=1)
+    mon = kp.TrainingMonitor()
+    stop = kp.EarlyStopping(monitor="loss", patience=1)
+    h = model.fit(x, y, batch_size=32, epochs=2, verbose=0, callbacks=[mon, stop])
+    assert len(h.history["loss"]) == 2 and mon.summary()["epochs"] == 2
+    teacher = _mlp()
+    teacher.fit(x, y, epochs=1, verbose=0)
+    student = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
+    distiller = kp.DistillationModel(student, teacher, temperature=2.0, alpha=0.5)
+    distiller.compile(optimizer="adam")
+    r = kp.accelerate(distiller, x, y, batch_size=32, max_seconds=1)
+    assert r.rows
+    h = distiller.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    assert np.isfinite(h.history["loss"]).all()
+
+
+def test_traced_step_candidate_when_the_module_is_there():
+    torch_traced = pytest.importorskip("keras_perf.train_step.torch_traced")
+    if BACKEND != "torch":
+        pytest.skip("keras-perf's traced step is a torch train step")
+    model = _mlp()
+    x, y = _data()
+    r = kp.accelerate(model, x, y, batch_size=32, max_seconds=1, apply=False)
+    row = next(row for row in r.rows if row["settings"] == {"traced_step": True})
+    assert row["examples_per_s"] is not None or row["note"]
+    assert torch_traced.traced_step_state(model)["active"] is False
+
+
+@pytest.mark.backends("torch")
+def test_a_model_the_traced_step_cannot_trace_falls_back_and_says_why():
+    pytest.importorskip("keras_perf.train_step.torch_traced")
+
+    class Branchy(keras.Model):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.a, self.b = keras.layers.Dense(3), keras.layers.Dense(3)
+
+        def call(self, x):
+            # Data-dependent Python control flow: no single graph follows both branches.
+            return self.a(x) if float(keras.ops.sum(x)) > 0 else self.b(x)
+
+    model = Branchy()
+    model.compile("adam", SCE)
+    x, y = _data(128)
+    r = kp.accelerate(model, x, y, batch_size=32, max_seconds=1)
+    row = next(row for row in r.rows if row["settings"] == {"traced_step": True})
+    assert not row["chosen"] and row["note"]
+    assert "traced_step" not in r.chosen
+
+
+@pytest.mark.backends("torch")
+def test_diagnose_offers_the_torch_candidates():
+    x, y = _data(512)
+    d = kp.diagnose(_mlp(), x, y, batch_size=32, steps=10, max_seconds=3)
+    assert any("torch.compile" in n for n in d.notes), d.notes  # budget below 30 s: says so
+    try:
+        import keras_perf.train_step.torch_traced  # noqa: F401
+    except ImportError:
+        assert any("traced train step not offered: not available" in n for n in d.notes)
+    else:
+        assert any(w["change"] == "keras-perf traced step (torch)" for w in d.what_if), str(d)
+
+
+@pytest.mark.backends("tensorflow", "jax")
+def test_models_rebuilt_from_the_compile_config_keep_the_settings():
+    """`kp.fit_with_oom_retry`'s micro-batching rung wraps the model with `kp.loss_scaled`,
+    which compiles the new model from `get_compile_config()`: the applied settings carry over."""
+    model = _mlp()
+    _apply.apply(model, {"steps_per_execution": 4, "jit_compile": True})
+    rung = kp.loss_scaled(model, microbatches=2)
+    assert rung.steps_per_execution == 4 and rung.jit_compile is True
+    x, y = _data(128)
+    h = kp.fit_with_oom_retry(model, x, y, batch_size=32, epochs=1, verbose=0)
+    assert np.isfinite(h.history["loss"]).all() and model.steps_per_execution == 4

@@ -227,7 +227,7 @@ def demo(args: argparse.Namespace) -> int:
     if switched is not None:
         return switched
     demo_module = importlib.import_module("keras_perf.demo")
-    demo_module.run(out=args.out, epochs=args.epochs)
+    demo_module.run(out=args.out, epochs=args.epochs, quick=args.quick)
     return 0
 
 
@@ -374,7 +374,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--epochs",
         type=_positive_int,
         default=30,
-        help="epochs per training stage (default: %(default)s)",
+        help="the teacher's epochs at most (default: %(default)s)",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="every lever, one seed, few epochs (a smoke run)"
     )
     p.add_argument(
         "--backend",

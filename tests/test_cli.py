@@ -430,6 +430,9 @@ def test_demo_lever_gain_reads_the_same_way_for_every_unit():
     assert faster["pays"] and smaller["pays"] and better["pays"]
     assert worse["gain"] == -5.0 and not worse["pays"]
     assert worse["note"] == "does not pay here: too sparse"
+    # Pruning trades a little accuracy: within its tolerance the lever pays, no excuse noted.
+    kept = lever("acc", 97.8, 97.2, "test accuracy %", points=True, tolerance=1.0, why_not="x")
+    assert kept["gain"] == -0.6 and kept["pays"] and kept["note"] == ""
     missing = lever("speed", 100.0, None, "examples/s", note="not available")
     assert missing["gain"] is None and missing["note"] == "not available"
 

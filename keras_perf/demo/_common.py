@@ -89,18 +89,19 @@ def latency_ms(model, x, repeats: int) -> float:
 
 
 def lever(name, baseline, with_, unit, *, higher_is_better=True, points=False, note="",
-          why_not=""):  # fmt: skip
+          why_not="", tolerance=0.0):  # fmt: skip
     """One lever row. `gain`: `with - baseline` in points (`points=True`, accuracies in %),
     else the ratio in the lever's favour (`with / baseline`, or `baseline / with` where lower
     is better), so a gain above 1 (or 0 points) always means the lever pays. `why_not` is
-    prefixed to the note when it does not."""
+    prefixed to the note when it does not. `tolerance`: points a lever may lose and still pay
+    (pruning trades a little accuracy for size)."""
     gain = None
     if baseline is not None and with_ is not None:
         if points:
             gain = round(with_ - baseline, 2)
         elif baseline > 0 and with_ > 0:
             gain = round(with_ / baseline if higher_is_better else baseline / with_, 2)
-    pays = gain is not None and (gain > 0 if points else gain > 1.0)
+    pays = gain is not None and (gain > -tolerance if points else gain > 1.0)
     if gain is not None and not pays and why_not:
         note = f"does not pay here: {why_not}" + (f"; {note}" if note else "")
     return {

@@ -222,7 +222,7 @@ def _with_backend(args: argparse.Namespace, argv: list[str]) -> int | None:
 
 
 def demo(args: argparse.Namespace) -> int:
-    """Run the whole pipeline on the bundled digits data (see keras_perf/demo.py)."""
+    """Every lever against its baseline on the bundled digits data (see keras_perf/demo/)."""
     switched = _with_backend(args, args.argv)
     if switched is not None:
         return switched
@@ -362,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=doctor)
     p = sub.add_parser(
-        "demo", parents=[common], help="the whole pipeline on bundled real data, report and plots"
+        "demo", parents=[common], help="every lever against its baseline on bundled real data"
     )
     p.add_argument(
         "--out",

@@ -419,6 +419,42 @@ def test_demo_training_speed_row_uses_accelerate_when_present(tmp_path):
     assert "exact" in row["note"] and "accelerate's own measure" in row["note"], row
 
 
+@pytest.mark.backends("tensorflow")
+def test_demo_training_speed_row_reads_accelerate_as_api_md_14_says(tmp_path, monkeypatch):
+    """`kp.accelerate` is built on another branch: the row is checked here against a stand-in
+    that keeps API.md §14's contract (`chosen`, `speedup`, `rows`, `to_dict`)."""
+    import keras_perf as kp
+    from keras_perf.data import load_digits_split
+    from keras_perf.demo import _levers
+    from keras_perf.demo._common import Demo, Settings
+
+    calls = []
+
+    class Result:
+        chosen = {"steps_per_execution": 8}
+        speedup = 1.7
+        rows = [{"candidate": "spe=8", "exact": True, "chosen": True}]
+
+        def to_dict(self):
+            return {"chosen": self.chosen, "speedup": self.speedup, "rows": self.rows}
+
+    def accelerate(model, x, y=None, batch_size=None, *, max_seconds=60):
+        calls.append((batch_size, max_seconds))
+        model.compile(model.optimizer, model.loss, steps_per_execution=8)
+        return Result()
+
+    monkeypatch.setattr(kp, "accelerate", accelerate, raising=False)
+    train, val, test = load_digits_split(seed=0)
+    demo = Demo(tmp_path, Settings.quick(), False, train, val, test)
+    _levers.training_speed(demo)
+    (row,) = demo.levers
+    assert calls == [(64, 5.0)]
+    assert row["baseline"] > 0 and row["with"] > 0, row
+    assert row["gain"] == pytest.approx(row["with"] / row["baseline"], abs=0.01), row
+    assert "exact weights" in row["note"] and "own measure x1.70" in row["note"], row
+    assert demo.stages["accelerate"]["speedup"] == 1.7
+
+
 def test_demo_lever_gain_reads_the_same_way_for_every_unit():
     from keras_perf.demo._common import lever
 

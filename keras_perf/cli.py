@@ -222,12 +222,12 @@ def _with_backend(args: argparse.Namespace, argv: list[str]) -> int | None:
 
 
 def demo(args: argparse.Namespace) -> int:
-    """Run the whole pipeline on the bundled digits data (see keras_perf/demo.py)."""
+    """Every lever against its baseline on the bundled digits data (see keras_perf/demo/)."""
     switched = _with_backend(args, args.argv)
     if switched is not None:
         return switched
     demo_module = importlib.import_module("keras_perf.demo")
-    demo_module.run(out=args.out, epochs=args.epochs)
+    demo_module.run(out=args.out, epochs=args.epochs, quick=args.quick)
     return 0
 
 
@@ -362,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=doctor)
     p = sub.add_parser(
-        "demo", parents=[common], help="the whole pipeline on bundled real data, report and plots"
+        "demo", parents=[common], help="every lever against its baseline on bundled real data"
     )
     p.add_argument(
         "--out",
@@ -374,7 +374,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--epochs",
         type=_positive_int,
         default=30,
-        help="epochs per training stage (default: %(default)s)",
+        help="the teacher's epochs at most (default: %(default)s)",
+    )
+    p.add_argument(
+        "--quick", action="store_true", help="every lever, one seed, few epochs (a smoke run)"
     )
     p.add_argument(
         "--backend",

@@ -128,8 +128,9 @@ for job in jobs:
 # after it are reported as failed. On a 2-core machine shared with other test runs the 14
 # scripts took 610 s on TensorFlow (2026-11-26), past the 600 s this was before.
 QUICK_BUDGET_S = 900
-# The whole `--smoke` run (see docs/development.md for its measured time).
-SMOKE_BUDGET_S = 600
+# The whole `--smoke` run: a guard against a hang, not a time limit (about 3 minutes of CPU on
+# TensorFlow, docs/development.md; 8 of the 16 scripts took 600 s under load 8-10).
+SMOKE_BUDGET_S = 1800
 
 
 def run_in_one_process(

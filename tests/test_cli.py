@@ -579,7 +579,7 @@ def test_bench_smoke_runs_every_script_and_each_writes_its_rows(tmp_path):
         [sys.executable, "-m", "keras_perf.cli", "bench", "--smoke", "--markdown", str(md)],
         capture_output=True,
         text=True,
-        timeout=1200,  # every bench script in one process (killed past bench.SMOKE_BUDGET_S)
+        timeout=2400,  # every bench script in one process (killed past bench.SMOKE_BUDGET_S)
         cwd=root,
     )
     failed = [ln[:600] for ln in proc.stdout.splitlines() if "FAILED" in ln]

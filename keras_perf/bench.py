@@ -161,11 +161,20 @@ def run_in_one_process(
         t0 = time.perf_counter()
         current = None
         tail: list[str] = []
+        # Its own process group: the watchdog kills the scripts' children too (bench_remat
+        # re-runs itself in a child), which would otherwise hold the pipe open and keep this
+        # loop waiting after the driver was killed.
         with subprocess.Popen(
-            cmd, env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            cmd,
+            env=env,
+            cwd=root,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
         ) as proc:
             # A watchdog, not a check per line: a script that hangs prints nothing.
-            watchdog = threading.Timer(timeout, proc.kill)
+            watchdog = threading.Timer(timeout, _kill_group, (proc,))
             watchdog.start()
             for line in proc.stdout:
                 if line.startswith("@@start "):
@@ -209,6 +218,14 @@ def run_in_one_process(
             results.append(_failed(s, backend, time.perf_counter(), why))
             on_done(results[-1])
     return results
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill `proc` and every process of its group (it was started in a session of its own)."""
+    try:
+        os.killpg(proc.pid, 9)
+    except (ProcessLookupError, PermissionError, AttributeError):
+        proc.kill()
 
 
 def _failed(script, backend, t0, error):

@@ -629,7 +629,14 @@ def test_bench_quick_kills_a_script_that_hangs(tmp_path):
 
     folder = _stub_package(tmp_path)
     (folder / "bench_a.py").write_text(_GOOD_SCRIPT)
-    (folder / "bench_b.py").write_text("import time; time.sleep(120)\n")  # prints nothing
+    # Prints nothing; and hangs in a child of its own too (bench_remat re-runs itself in a
+    # child). Was: the watchdog killed the driver alone, and the child, holding the pipe,
+    # kept the runner waiting until it ended.
+    (folder / "bench_b.py").write_text(
+        "import subprocess, sys, time\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        "time.sleep(120)\n"
+    )
     (folder / "bench_c.py").write_text(_GOOD_SCRIPT)
     scripts = sorted(folder.glob("bench_*.py"))
     started, done = [], []

@@ -39,11 +39,29 @@ def module_command(module: str, env: dict | None = None) -> tuple[list[str], dic
     return [sys.executable, "-m", module], env
 
 
+def add_mode_flags(p: argparse.ArgumentParser) -> None:
+    """`--quick` and `--smoke` on a script's parser (read back with `resolve_modes`)."""
+    p.add_argument("--quick", action="store_true", help="fewer repeats and steps (a short run)")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the tiniest sizes, one repeat: proves the script runs and writes its rows (CI); "
+        "its figures are not the claims'. Implies --quick",
+    )
+
+
+def resolve_modes(args: argparse.Namespace) -> argparse.Namespace:
+    """`--smoke` is `--quick` and less: a script reads `args.quick` for what both shrink and
+    `args.smoke` for what only the smoke run leaves out."""
+    args.quick = args.quick or args.smoke
+    return args
+
+
 def parse_args(description: str) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--quick", action="store_true", help="fewer repeats and steps (CI smoke run)")
+    add_mode_flags(p)
     p.add_argument("--json", metavar="PATH", help="write the result rows as JSON to PATH")
-    return p.parse_args()
+    return resolve_modes(p.parse_args())
 
 
 def timed(fn: Callable[[], object]) -> tuple[float, float]:

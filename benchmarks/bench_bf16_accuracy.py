@@ -80,15 +80,18 @@ def compare(name: str, epochs: int, seeds=SEEDS) -> dict:
 def main() -> None:
     import keras
 
-    from ._harness import finish, row
+    from ._harness import add_mode_flags, finish, resolve_modes, row
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="fewer epochs (a smoke run)")
+    add_mode_flags(p)
     p.add_argument("--json", metavar="PATH", help="write the results as JSON to PATH")
-    args = p.parse_args()
+    args = resolve_modes(p.parse_args())
     # --quick (CI's smoke run of every row): 2 epochs and 2 seeds, 8 fits instead of 12 of 5
     # epochs (83 s of `bench --quick` on 2 loaded cores); its verdicts are not the claim's.
+    # --smoke (CI): 1 epoch each.
     epochs = {"mlp": 2, "cnn": 2} if args.quick else {"mlp": 30, "cnn": 30}
+    if args.smoke:
+        epochs = {"mlp": 1, "cnn": 1}
     seeds = SEEDS[:2] if args.quick else SEEDS
     results = [compare(name, epochs[name], seeds) for name in ("mlp", "cnn")]
     print(f"digits test accuracy, {keras.backend.backend()}, seeds {list(seeds)}")

@@ -55,13 +55,15 @@ def cases(quick):
 
 def main():
     args = parse_args(__doc__.splitlines()[0])
-    repeats, max_seconds = (1, 8) if args.quick else (5, 60)  # --quick: a smoke run
+    # --quick: fewer repeats, a shorter budget; --smoke (CI): a 3 s budget, 6 steps.
+    repeats, max_seconds = (1, 3) if args.smoke else (1, 8) if args.quick else (5, 60)
+    steps = 6 if args.smoke else 10 if args.quick else 50
     epochs = 1 if args.quick else 3
     rows = []
     for expected, model_fn, data in cases(args.quick):
         model = model_fn()
         t0 = time.perf_counter()
-        d = kp.diagnose(model, steps=10 if args.quick else 50, max_seconds=max_seconds, **data)
+        d = kp.diagnose(model, steps=steps, max_seconds=max_seconds, **data)
         cost = time.perf_counter() - t0
         print(d, "\n")
         rows.append(

@@ -131,8 +131,8 @@ def hand_epoch_jax(student, teacher, batches):
 def main():
     args = _harness.parse_args(__doc__.splitlines()[0])
     backend = keras.backend.backend()
-    n = 1024 if args.quick else 8192
-    repeats = 2 if args.quick else 3
+    n = 512 if args.smoke else 1024 if args.quick else 8192  # --smoke (CI): 2 batches, once
+    repeats = 1 if args.smoke else 2 if args.quick else 3
     rng = np.random.default_rng(0)
     x = rng.random((n, 784), dtype=np.float32)
     y = rng.integers(0, 10, n).astype("int32")

@@ -191,10 +191,10 @@ def speed_rows(name, model, small, repeats, tmp, shrunk=None, keras_rows=True):
     return rows
 
 
-def accuracy_rows(tmp, quick):
+def accuracy_rows(tmp, quick, smoke=False):
     (x, y), (xv, yv) = digits()
     model = mlp([64, 32], seed=0, functional=True, optimizer=keras.optimizers.Adam(3e-3))
-    model.fit(x, y, epochs=10 if quick else 20, batch_size=64, verbose=0)
+    model.fit(x, y, epochs=2 if smoke else 10 if quick else 20, batch_size=64, verbose=0)
     acc = lambda out: float((np.asarray(out).argmax(1) == yv).mean())  # noqa: E731
     base = acc(model.predict(xv, verbose=0))
     p = os.path.join(tmp, "mlp-int8.onnx")
@@ -202,13 +202,13 @@ def accuracy_rows(tmp, quick):
     ptq = acc(kp.onnx_predict(p, xv))
     qat = kp.quantize_aware(model)
     qat.compile(keras.optimizers.Adam(3e-4), keras.losses.SparseCategoricalCrossentropy(True))
-    qat.fit(x, y, epochs=2, batch_size=32, verbose=0)
+    qat.fit(x, y, epochs=1 if smoke else 2, batch_size=32, verbose=0)
     q = os.path.join(tmp, "mlp-qat.onnx")
     kp.export_onnx(qat, q, "int8")
     from_qat = acc(kp.onnx_predict(q, xv))
     note = f"float {base:.4f}, PTQ int8 {ptq:.4f}, QAT int8 {from_qat:.4f}"
     print("digits MLP accuracy:", note)
-    repeats = 3 if quick else 7
+    repeats = 1 if smoke else 3 if quick else 7
     for tag, m in (("float", model), ("QAT", qat)):
         report = kp.inference_report(
             m, xv, yv, (1, 64), representative_data=x[:200], repeats=repeats
@@ -231,7 +231,7 @@ def accuracy_rows(tmp, quick):
 
 def main():
     args = parse_args(__doc__.splitlines()[0])
-    repeats = 3 if args.quick else 7
+    repeats = 1 if args.smoke else 3 if args.quick else 7  # --smoke (CI): one of each
     print("load:", os.getloadavg())
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -242,7 +242,7 @@ def main():
         rows += speed_rows(
             "CNN 32x32", model, True, repeats, tmp, halved(shrunk_source), not args.quick
         )
-        rows += accuracy_rows(tmp, args.quick)
+        rows += accuracy_rows(tmp, args.quick, args.smoke)
         if not args.quick:
             mobile = keras.applications.MobileNetV2(
                 input_shape=(96, 96, 3), alpha=0.35, weights=None, classes=10

@@ -138,7 +138,8 @@ def ladder_row(name, build, rung, x, y, batch, repeats) -> dict:
 
 def main():
     args = parse_args(__doc__.splitlines()[0])
-    n, repeats = (512, 2) if args.quick else (4096, 5)
+    # --smoke (CI): 4 steps per epoch, one A B B A.
+    n, repeats = (128, 1) if args.smoke else (512, 2) if args.quick else (4096, 5)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(n, 256)).astype("float32")
     y = rng.integers(0, 10, n)

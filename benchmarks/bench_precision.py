@@ -28,7 +28,7 @@ import argparse
 
 import numpy as np
 
-from ._harness import abba, finish, row
+from ._harness import abba, add_mode_flags, finish, resolve_modes, row
 
 MODELS = ("mlp", "cnn", "transformer", "resnet50")
 
@@ -40,14 +40,14 @@ EMULATED = 0.05
 
 def _args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="fewer repeats and steps (CI smoke run)")
+    add_mode_flags(p)
     p.add_argument("--json", metavar="PATH", help="write the result rows as JSON to PATH")
     p.add_argument(
         "--models",
         help=f"comma-separated subset of {','.join(MODELS)} (default: all; --quick: mlp,cnn, "
         "or mlp alone on a CPU without bfloat16 units)",
     )
-    args = p.parse_args()
+    args = resolve_modes(p.parse_args())
     default = ",".join(MODELS)
     if args.quick:
         # Where the CPU has no bfloat16 units every bfloat16 kernel is emulated: the quick CNN

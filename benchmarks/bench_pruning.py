@@ -158,6 +158,8 @@ def gzip_bytes(model) -> int:
 def main():
     args = parse_args(__doc__.splitlines()[0])
     x, y, xt, yt = data()
+    if args.smoke:  # CI: 8 steps per epoch instead of 45, one of each fit
+        x, y = x[: 8 * BATCH], y[: 8 * BATCH]
     repeats = 1 if args.quick else 5
     # Active phase for the whole run: end_step far away, masks recomputed every 100 steps.
     schedule_args = dict(
@@ -192,7 +194,7 @@ def main():
         )
     )
 
-    steps = 200 if args.quick else 1000
+    steps = 20 if args.smoke else 200 if args.quick else 1000
     result = per_step(x, y, schedule_args, steps)
     rows.append(
         row(
@@ -253,7 +255,7 @@ def main():
         )
 
     # Size: dense vs 80 % sparse (stripped), same architecture and training budget.
-    epochs = 2 if args.quick else 8
+    epochs = 1 if args.smoke else 2 if args.quick else 8
     dense = keras3_model()
     dense.fit(x, y, batch_size=BATCH, epochs=epochs, verbose=0)
     sparse = keras3_model()

@@ -132,7 +132,7 @@ def per_tensor_ptq(model, calibration):
         return converter.convert()
 
 
-def one_seed(x, y, xv, yv, seed, epochs, tmp):
+def one_seed(x, y, xv, yv, seed, epochs, tmp, bits_list=(8, 4)):
     on_tf = keras.backend.backend() == "tensorflow"
     model = compile_(cnn(keras.layers, seed))
     model.fit(x, y, batch_size=BATCH, epochs=epochs, verbose=0)
@@ -159,7 +159,7 @@ def one_seed(x, y, xv, yv, seed, epochs, tmp):
         acc["tfmot QAT w8a8 (tf_keras, TFLite int8 file)"] = accuracy(
             run_tflite(tfmot_tflite(tq), xv), yv
         )
-    for bits in (8, 4):
+    for bits in bits_list:
         keras.utils.set_random_seed(seed)
         qat = compile_(kp.quantize_aware(model, weight_bits=bits), FINE_TUNE_LR)
         qat.fit(x, y, batch_size=BATCH, epochs=epochs, verbose=0)
@@ -176,11 +176,11 @@ def one_seed(x, y, xv, yv, seed, epochs, tmp):
     return acc
 
 
-def accuracy_rows(x, y, xv, yv, seeds, epochs):
+def accuracy_rows(x, y, xv, yv, seeds, epochs, bits_list=(8, 4)):
     table = {}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in seeds:
-            acc = one_seed(x, y, xv, yv, seed, epochs, tmp)
+            acc = one_seed(x, y, xv, yv, seed, epochs, tmp, bits_list)
             print(f"seed {seed}: " + ", ".join(f"{k} {v:.4f}" for k, v in acc.items()), flush=True)
             for k, v in acc.items():
                 table.setdefault(k, []).append(v)
@@ -224,10 +224,10 @@ def step_row(plain, quantized, step, xb, yb, steps, claim, target):
     return row(claim, res, target, note=note)
 
 
-def step_rows(x, y, steps):
+def step_rows(x, y, steps, sizes=tuple(SIZES)):
     xb, yb = x[:BATCH], y[:BATCH]
     rows = []
-    for size in SIZES:
+    for size in sizes:
         plain = compile_(cnn(keras.layers, 0, size))
         qat = compile_(kp.quantize_aware(cnn(keras.layers, 0, size)))
         claim = f"QAT step / float step, ours (CNN {size}, batch 32)"
@@ -249,10 +249,16 @@ def main():
     (x, y), (xv, yv) = digits()
     x, xv = x.reshape(-1, 8, 8, 1), xv.reshape(-1, 8, 8, 1)
     print(f"load average at start: {os.getloadavg()}", flush=True)
-    rows = step_rows(x, y, 100 if args.quick else 400)
+    # --smoke (CI): the small CNN's steps, 1 epoch, the w8 QAT model alone (w4 is the same
+    # code with another bit width): 4 TFLite files on TensorFlow instead of 5.
+    if args.smoke:
+        rows = step_rows(x, y, 16, sizes=("small",))
+    else:
+        rows = step_rows(x, y, 100 if args.quick else 400)
     print(f"load average after step times: {os.getloadavg()}", flush=True)
     seeds = [0] if args.quick else [0, 1, 2]
-    rows += accuracy_rows(x, y, xv, yv, seeds, epochs=2 if args.quick else EPOCHS)
+    epochs = 1 if args.smoke else 2 if args.quick else EPOCHS
+    rows += accuracy_rows(x, y, xv, yv, seeds, epochs, (8,) if args.smoke else (8, 4))
     finish(rows, args)
 
 

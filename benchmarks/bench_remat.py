@@ -32,7 +32,7 @@ On TensorFlow and JAX the MLP's memory is counted at batches 1024 and 2048 (MEMO
 below; the step is still timed at the model's own batch): at smaller batches the step's peak is
 its gradients, not its activations, and does not grow with the batch.
 
-Run: python -m benchmarks.bench_remat [--quick] [--json PATH] [--models mlp,transformer,resnet50]
+Run: python -m benchmarks.bench_remat [--quick | --smoke] [--json PATH] [--models mlp,transformer,resnet50]
 [--batches B1,B2]
 """
 
@@ -47,7 +47,15 @@ import keras_perf as kp  # noqa: E402
 
 # _memory first: it sets TensorFlow's allocator options before the import.
 from . import _memory, _remat_floors
-from ._harness import abba, compile_sce, finish, one_step, row  # noqa: E402
+from ._harness import (  # noqa: E402
+    abba,
+    add_mode_flags,
+    compile_sce,
+    finish,
+    one_step,
+    resolve_modes,
+    row,
+)
 
 
 def deep_mlp():
@@ -98,20 +106,20 @@ FLOORS = ("mlp", "transformer")
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="half the batches, 3 repeats")
+    add_mode_flags(p)
     p.add_argument("--json", metavar="PATH", help="write the result rows as JSON to PATH")
     p.add_argument(
         "--models",
         help="comma-separated: "
         + ",".join(MODELS)
-        + " (default: all; with --quick: mlp,transformer)",
+        + " (default: all; with --quick: mlp,transformer; with --smoke: mlp)",
     )
     p.add_argument(
         "--batches",
         help="the two batch sizes of the memory count, e.g. 1024,2048 (the step is timed at the "
         "second); default: each model's own",
     )
-    args = p.parse_args()
+    args = resolve_modes(p.parse_args())
     if args.batches is not None:
         try:
             args.batches = tuple(int(b) for b in args.batches.split(","))
@@ -120,8 +128,10 @@ def parse_args() -> argparse.Namespace:
         if len(args.batches) != 2 or not 0 < args.batches[0] < args.batches[1]:
             p.error("--batches: two increasing positive sizes, e.g. 1024,2048")
     if args.models is None:
-        # ResNet50 costs minutes per count on 2 cores: the quick (CI) run leaves it out.
-        args.models = "mlp,transformer" if args.quick else ",".join(MODELS)
+        # ResNet50 costs minutes per count on 2 cores: the quick run leaves it out; the smoke
+        # run (CI) keeps the MLP alone (the Transformer's rows take the same code path; with
+        # it, 155 s of CPU on TF, 2026-11-28).
+        args.models = "mlp" if args.smoke else "mlp,transformer" if args.quick else ",".join(MODELS)
     args.models = [m.strip() for m in args.models.split(",") if m.strip()]
     bad = sorted(set(args.models) - set(MODELS))
     if bad or not args.models:
@@ -236,8 +246,10 @@ def main() -> None:
     args = parse_args()
     if _in_own_process():
         return
-    repeats = 3 if args.quick else 7
-    scale = 2 if args.quick else 1
+    repeats = 1 if args.smoke else 3 if args.quick else 7
+    # --smoke (CI): the MLP and its floor at a quarter of its batches (its memory count too),
+    # one repeat.
+    scale = 4 if args.smoke else 2 if args.quick else 1
     rows = []
     backend = keras.backend.backend()
     tf_models = 1 if args.quick else 3
@@ -246,7 +258,7 @@ def main() -> None:
         timed_at = args.batches[-1] if args.batches else sizes[-1] // scale
         batches = (
             args.batches
-            or (MEMORY_BATCHES.get(key) if backend != "torch" else None)
+            or (MEMORY_BATCHES.get(key) if backend != "torch" and not args.smoke else None)
             or tuple(b // scale for b in sizes)
         )
         plain, full = (memory(build, r, batches, tf_models) for r in (None, "full"))

@@ -389,7 +389,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "bench", parents=[common], help="overhead and speed of every piece against plain Keras"
     )
-    p.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run, < 2 min)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--quick",
+        action="store_true",
+        help="fewer repeats and steps, every script in one process (minutes)",
+    )
+    mode.add_argument(
+        "--smoke",
+        action="store_true",
+        help="every script once on its tiniest sizes, in one process: proves each runs and "
+        "writes its rows (what CI runs); its figures are not the claims'",
+    )
     p.add_argument(
         "--backends",
         default=None,

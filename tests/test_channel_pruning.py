@@ -298,6 +298,7 @@ def test_channel_report_is_exact_on_a_hand_counted_model():
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_shrunk_model_loads_without_keras_perf(tmp_path):
     model = residual()
     pruned(model)

@@ -609,7 +609,8 @@ _GOOD_SCRIPT = """
 import json, sys
 args = sys.argv[1:]
 rows = [{"claim": "tiny claim", "backend": "tensorflow", "wall_ratio": 1.25, "cpu_ratio": 0.5,
-         "target": "<= 2", "repeats": 3, "note": "stub " + ("quick" if "--quick" in args else "full")}]
+         "target": "<= 2", "repeats": 3,
+         "note": "stub " + next((a[2:] for a in args if a in ("--quick", "--smoke")), "full")}]
 json.dump({"rows": rows}, open(args[args.index("--json") + 1], "w"))
 """
 
@@ -624,16 +625,17 @@ def _stub_package(tmp_path):
 
 
 @BENCH_RUNNER
-@pytest.mark.parametrize("quick", [True, False])
-def test_bench_reports_rows_and_failures_per_script(tmp_path, capsys, monkeypatch, quick):
+@pytest.mark.parametrize("mode", ["quick", "smoke", "full"])
+def test_bench_reports_rows_and_failures_per_script(tmp_path, capsys, monkeypatch, mode):
     # Stub modules: one good, one raising, one exiting non-zero. Each is reported on its own,
-    # the good rows still print, and the exit code says something failed.
+    # the good rows still print, and the exit code says something failed. Each script gets
+    # the run's flag (`--quick`, `--smoke`, or none).
     folder = _stub_package(tmp_path)
     (folder / "bench_a.py").write_text(_GOOD_SCRIPT)
     (folder / "bench_b.py").write_text("raise RuntimeError('broken on purpose')\n")
     (folder / "bench_c.py").write_text("import sys; sys.exit(3)\n")
     monkeypatch.setenv("KERAS_BACKEND", "tensorflow")
-    args = ["bench", "--dir", str(folder)] + (["--quick"] if quick else [])
+    args = ["bench", "--dir", str(folder)] + ([f"--{mode}"] if mode != "full" else [])
     assert cli.main(args) == 1
     out = capsys.readouterr().out
     for name in ("bench_a.py", "bench_b.py", "bench_c.py"):
@@ -641,7 +643,7 @@ def test_bench_reports_rows_and_failures_per_script(tmp_path, capsys, monkeypatc
     assert "1 rows in" in out
     row = next(ln for ln in out.splitlines() if ln.startswith("tiny claim"))
     assert "1.250" in row and "0.500" in row and "<= 2" in row
-    assert ("stub quick" if quick else "stub full") in row
+    assert f"stub {mode}" in row
     assert out.count("FAILED") == 2 * 2  # once as each script ends, once in the table
     assert "broken on purpose" in out
     assert "exit 3" in out
@@ -649,27 +651,58 @@ def test_bench_reports_rows_and_failures_per_script(tmp_path, capsys, monkeypatc
 
 @pytest.mark.slow
 @pytest.mark.backends("tensorflow")
-def test_bench_quick_prints_every_row(tmp_path):
+def test_bench_smoke_runs_every_script_and_each_writes_its_rows(tmp_path):
+    # CI's benchmark check: every script on its tiniest sizes (`--smoke`), in one process. It
+    # proves each runs and writes its rows; the figures are `bench`'s and `--quick`'s to give.
+    import re
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
     md = tmp_path / "bench.md"
     proc = subprocess.run(
-        [sys.executable, "-m", "keras_perf.cli", "bench", "--quick", "--markdown", str(md)],
+        [sys.executable, "-m", "keras_perf.cli", "bench", "--smoke", "--markdown", str(md)],
         capture_output=True,
         text=True,
-        timeout=1800,  # 14 bench scripts in one process (killed past bench.QUICK_BUDGET_S)
+        timeout=2400,  # every bench script in one process (killed past bench.SMOKE_BUDGET_S)
         cwd=root,
     )
     failed = [ln[:600] for ln in proc.stdout.splitlines() if "FAILED" in ln]
     assert proc.returncode == 0, "\n".join(failed) + proc.stdout[-2000:] + proc.stderr[-2000:]
     scripts = sorted(p.name for p in (root / "benchmarks").glob("bench_*.py"))
-    for name in scripts:
-        assert f"running {name}" in proc.stdout
+    # "running bench_x.py (tensorflow, smoke) ..." then "  N rows in S s (C s CPU)" per script.
+    done = re.findall(r"running (\S+) \(tensorflow, smoke\) \.\.\.\n  (\d+) rows in", proc.stdout)
+    assert [name for name, _ in done] == scripts, proc.stdout[-2000:]
+    assert all(int(n) >= 1 for _, n in done), done
     assert "FAILED" not in proc.stdout
     table = md.read_text()
+    assert table.startswith("Command: `keras-perf bench --smoke`")
     rows = [ln for ln in table.splitlines() if ln.startswith("| ") and not ln.startswith("| claim")]
-    assert len(rows) >= len(scripts)  # every script contributes its claims
+    assert len(rows) == sum(int(n) for _, n in done)
+
+
+@BENCH_RUNNER
+def test_bench_quick_and_smoke_do_not_go_together(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["bench", "--quick", "--smoke"])
+    assert exc.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+@BENCH_RUNNER
+def test_every_benchmark_script_takes_smoke_and_quick():
+    """`bench --smoke` passes `--smoke` to every script: each parses it through the harness
+    (`parse_args`, or `add_mode_flags` and `resolve_modes` on a parser of its own)."""
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parent.parent / "benchmarks"
+    scripts = sorted(folder.glob("bench_*.py"))
+    missing = [
+        s.name
+        for s in scripts
+        if "parse_args(__doc__" not in (text := s.read_text())
+        and not ("add_mode_flags(" in text and "resolve_modes(" in text)
+    ]
+    assert len(scripts) >= 16 and not missing, missing
 
 
 @BENCH_RUNNER
@@ -680,7 +713,14 @@ def test_bench_quick_kills_a_script_that_hangs(tmp_path):
 
     folder = _stub_package(tmp_path)
     (folder / "bench_a.py").write_text(_GOOD_SCRIPT)
-    (folder / "bench_b.py").write_text("import time; time.sleep(120)\n")  # prints nothing
+    # Prints nothing; and hangs in a child of its own too (bench_remat re-runs itself in a
+    # child). Was: the watchdog killed the driver alone, and the child, holding the pipe,
+    # kept the runner waiting until it ended.
+    (folder / "bench_b.py").write_text(
+        "import subprocess, sys, time\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+        "time.sleep(120)\n"
+    )
     (folder / "bench_c.py").write_text(_GOOD_SCRIPT)
     scripts = sorted(folder.glob("bench_*.py"))
     started, done = [], []

@@ -167,7 +167,8 @@ def test_without_a_gpu_it_stops_at_once_and_says_why(tmp_path, cmd):
     "argv, message",
     [
         (["bench", "--dry-run"], "--dry-run and --json go with --gpu"),
-        (["bench", "--gpu", "--quick"], "--quick and --only do not apply to --gpu"),
+        (["bench", "--gpu", "--quick"], "--quick, --smoke and --only do not apply to --gpu"),
+        (["bench", "--gpu", "--smoke"], "--quick, --smoke and --only do not apply to --gpu"),
     ],
 )
 def test_cli_refuses_flags_that_do_not_go_together(capsys, argv, message):

@@ -420,6 +420,7 @@ def test_backup_and_restore_resumes_with_the_ranges(tmp_path, digits):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_pruned_weights_stay_exactly_zero_through_qat(digits):
     (x, y), _ = images(digits)
     model = cnn()
@@ -439,6 +440,7 @@ def test_pruned_weights_stay_exactly_zero_through_qat(digits):
     assert not np.all(np_(unpruned.get_layer("dense").kernel)[zeros["dense"]] == 0)
 
 
+@pytest.mark.slow
 def test_loss_scaled_microbatches_train_a_qat_model(digits):
     (x, y), _ = images(digits)
     qat = kp.loss_scaled(kp.quantize_aware(cnn()), microbatches=2)
@@ -448,6 +450,7 @@ def test_loss_scaled_microbatches_train_a_qat_model(digits):
     assert float(np_(quantizers(qat)["dense_quant"].max)) != 6.0
 
 
+@pytest.mark.slow
 def test_qat_student_in_distillation_trains_and_exports(digits, tmp_path):
     (x, y), (xv, yv) = images(digits)
     teacher = cnn(seed=1)

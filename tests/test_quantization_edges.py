@@ -235,6 +235,7 @@ def test_a_stored_range_of_width_0_quantizes_without_nan(path, monkeypatch):
     assert np.all(np.isfinite(y)) and y[0, 0] == 0.0 and abs(y[0, 1]) < 1e-4
 
 
+@pytest.mark.slow
 def test_a_model_whose_first_batch_is_all_zero_takes_its_ranges_from_the_next_batch():
     """No biases: an all-zero first batch makes every activation of it zero. The ranges come
     from the next batch (was: NaN from the first epoch on JAX; on TF and torch ranges of ~0.05
@@ -275,6 +276,7 @@ def _regression_data(n=128):
     return x, np.stack([x[:, 0] - x[:, 1], x[:, 2] * 0.5, -x[:, 3]], axis=1)
 
 
+@pytest.mark.slow
 def test_a_zero_initialised_head_trains_under_qat():
     x, y = _regression_data()
     model = keras.Sequential(
@@ -344,6 +346,7 @@ def test_ema_decay_is_checked_by_name(value, error):
         ActivationQuantizer(ema_decay=value)
 
 
+@pytest.mark.slow
 def test_a_shared_layer_is_one_quantized_layer_with_a_range_per_call(tmp_path):
     keras.utils.set_random_seed(0)
     shared = keras.layers.Dense(4, activation="relu", name="shared")
@@ -401,6 +404,7 @@ def test_raw_ops_on_symbolic_tensors_are_rebuilt_and_integer_tensors_stay_exact(
     np.testing.assert_array_equal(np_(loaded(x)), np_(qat(x)))
 
 
+@pytest.mark.slow
 def test_conv2d_transpose_is_quantized_per_output_channel(tmp_path):
     keras.utils.set_random_seed(0)
     inp = keras.Input((4, 4, 3), name="x")
@@ -538,6 +542,7 @@ def test_a_qat_transformer_is_refused_naming_the_layers_tflite_keeps_in_float(tm
         assert not path.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.backends("tensorflow")
 def test_a_qat_dense_on_a_sequence_exports_full_integer(tmp_path):
     """Regression: a Dense on a (batch, steps, features) input stayed float in the file (its

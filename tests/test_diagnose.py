@@ -685,6 +685,64 @@ def test_generator_gives_up_at_most_steps_batches(digits):
     assert any("one-pass input" in n for n in d.notes)
 
 
+class _Batches:
+    """An iterator object (not a generator function) of (x, y) tuples: read once, as fit does."""
+
+    def __init__(self, x, y, pulled):
+        self.x, self.y, self.pulled, self.i = x, y, pulled, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        i = self.i
+        self.i += 1
+        self.pulled.append(i)
+        j = (i * 8) % (len(self.x) - 8)
+        return self.x[j : j + 8], self.y[j : j + 8]
+
+
+@pytest.mark.parametrize("kind", ["generator", "iterator", "tf.data iterator"])
+def test_one_pass_input_with_what_ifs(digits, kind):
+    """Regression (issue 41, item 6): the what-ifs read `source.x`, which a one-pass input
+    (a generator or iterator) does not have: `AttributeError: 'OnePassSource' object has no
+    attribute 'x'` with `what_if=True`. And `iter(tf.data.Dataset)` was taken for a dataset
+    (`'OwnedIterator' object has no attribute 'cardinality'`). Now the what-ifs run on the
+    batches held in memory, and at most `steps` batches are read."""
+    if kind == "tf.data iterator" and BACKEND != "tensorflow":
+        pytest.skip("tf.data tensors are fed to fit on TensorFlow")
+    (x, y), _ = digits
+    pulled = []
+    if kind == "generator":
+
+        def gen():  # a plain Python generator of numpy (x, y) tuples, no tf.data
+            for i in range(1000):
+                pulled.append(i)
+                yield x[i * 8 : i * 8 + 8], y[i * 8 : i * 8 + 8]
+
+        data = gen()
+    elif kind == "iterator":
+        data = _Batches(x, y, pulled)
+    else:
+        import tensorflow as tf
+
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()
+        data = iter(ds)
+    model = small_mlp()
+    before = _variables(model)
+    d = kp.diagnose(model, data, steps=8, max_seconds=4)
+    if kind != "tf.data iterator":  # tf.data may prefetch a batch or two ahead
+        assert 2 <= len(pulled) <= 8
+        assert d.batches_consumed <= len(pulled)
+    assert d.batches_consumed <= 8
+    assert d.input_kind == "generator"
+    assert not any("failed here" in n for n in d.notes), d.notes
+    for w in d.what_if:
+        assert not w["change"].startswith(("tf.data", "PyDataset", "batch_size=")), d.what_if
+    for a, b in zip(before, _variables(model)):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_bad_input_errors_before_measuring(digits):
     (x, y), _ = digits
     model = small_mlp()

@@ -771,7 +771,18 @@ def test_bad_input_errors_before_measuring(digits):
     if kp.backend.step_memory_unavailable() is not None:  # TensorFlow, no BFC allocator
         with pytest.raises(ValueError, match="TF_CPU_ALLOCATOR_USE_BFC=true before TensorFlow"):
             kp.diagnose(model, x, y, memory_limit_bytes=10**9)
+    # Regression (issue 41, item 9): 0 examples, a dict without one of the model's inputs.
+    with pytest.raises(ValueError, match="diagnose: `x` holds no examples"):
+        kp.diagnose(model, x[:0], y[:0])
+    a, b = keras.Input((4,), name="a"), keras.Input((3,), name="b")
+    two = keras.Model({"a": a, "b": b}, keras.layers.Dense(1)(keras.layers.Concatenate()([a, b])))
+    two.compile("sgd", "mse")
+    with pytest.raises(
+        ValueError, match=r"diagnose: `x` is a dict without the model's input\(s\) \['b'\]"
+    ):
+        kp.diagnose(two, {"a": np.zeros((64, 4), "float32")}, np.zeros((64, 1), "float32"))
     assert model.optimizer.iterations.numpy() == 0  # nothing ran
+    assert two.optimizer.iterations.numpy() == 0
 
 
 def test_cli_diagnose_json(digits, tmp_path, capsys):

@@ -104,3 +104,33 @@ def check_fit_data(caller: str, model, x) -> None:
             f"{sorted(map(str, inputs))}): give `x` one array per model input, keyed by the "
             f"names of its keras.Input layers {required}."
         )
+
+
+# keras-perf's train-step settings: attributes a plain Keras model has no use for.
+_TRAIN_STEP_SETTINGS = ("remat", "remat_threshold", "microbatches")
+
+
+def check_no_ignored_settings(caller: str, model) -> None:
+    """Raise a `ValueError` where `model` is a plain Keras model (without keras-perf's train
+    step) on which `remat`, `remat_threshold` or `microbatches` was set as an attribute: Keras
+    never reads it, so the user's model would not recompute or slice what they think it does.
+    A plain attribute on a plain model cannot be intercepted when it is set; it is caught
+    here, where a keras-perf tool first sees the model."""
+    from keras_perf.train_step import LossScaleTrainStep
+
+    if isinstance(model, LossScaleTrainStep):
+        return
+    found = {
+        name: vars(model)[name]
+        for name in _TRAIN_STEP_SETTINGS
+        if vars(model).get(name) is not None
+    }
+    if not found:
+        return
+    settings = ", ".join(f"{name}={value!r}" for name, value in found.items())
+    raise ValueError(
+        f"{caller}: `model.{next(iter(found))}` is set on a plain {type(model).__name__}, whose "
+        f"Keras train step ignores it: nothing is recomputed or sliced. Wrap it with "
+        f"`model = kp.loss_scaled(model, {settings})` (it keeps the compile settings), or "
+        "delete the attribute."
+    )

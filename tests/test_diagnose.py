@@ -781,6 +781,11 @@ def test_bad_input_errors_before_measuring(digits):
         ValueError, match=r"diagnose: `x` is a dict without the model's input\(s\) \['b'\]"
     ):
         kp.diagnose(two, {"a": np.zeros((64, 4), "float32")}, np.zeros((64, 1), "float32"))
+    # Regression (issue 41, item 10): a train-step setting on a plain model, ignored by Keras.
+    model.remat = "full"
+    with pytest.raises(ValueError, match=r"diagnose: `model.remat` is set on a plain Sequential"):
+        kp.diagnose(model, x, y)
+    del model.remat
     assert model.optimizer.iterations.numpy() == 0  # nothing ran
     assert two.optimizer.iterations.numpy() == 0
 

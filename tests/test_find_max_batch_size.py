@@ -319,6 +319,20 @@ def test_a_dict_without_one_of_the_inputs_is_named_before_any_step(monkeypatch):
         kp.find_max_batch_size(model, x, np.zeros((16, 2)), memory_limit_bytes=10**9)
 
 
+@pytest.mark.parametrize("attribute", ["remat", "microbatches"])
+def test_a_train_step_setting_on_a_plain_model_is_refused_with_the_fix(monkeypatch, attribute):
+    """Regression (issue 41, item 10): `model.remat = "full"` on a plain Keras model did
+    nothing, without a word."""
+    _no_steps(monkeypatch)
+    x, y = _data(16)
+    model = _mlp()
+    setattr(model, attribute, "full" if attribute == "remat" else 4)
+    with pytest.raises(
+        ValueError, match=rf"`model.{attribute}` is set on a plain .*kp.loss_scaled"
+    ):
+        kp.find_max_batch_size(model, x, y, memory_limit_bytes=10**9)
+
+
 def test_bad_models_are_refused_before_any_step(monkeypatch):
     _no_steps(monkeypatch)
     x, y = _data(16)

@@ -236,6 +236,23 @@ def test_no_examples_or_a_missing_input_is_named_before_any_step():
     assert len(f.lrs) == 5
 
 
+def test_remat_set_on_a_plain_model_is_refused_with_the_fix():
+    """Regression (issue 41, item 10): `model.remat = "full"` on a plain Keras model is an
+    attribute Keras never reads; it was silently ignored."""
+    x, y = _data()
+    model = _compiled()
+    model.remat = "full"
+    with pytest.raises(ValueError, match=r"kp.loss_scaled\(model, remat='full'\)"):
+        kp.find_learning_rate(model, x, y)
+    assert int(model.optimizer.iterations) == 0
+    wrapped = kp.loss_scaled(_mlp(), remat="full")  # the fix: keras-perf's train step reads it
+    wrapped.compile("adam", SCE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", KerasPerfWarning)
+        f = kp.find_learning_rate(wrapped, x, y, steps=5)
+    assert len(f.lrs) == 5
+
+
 def test_data_fit_rejects_is_refused_before_any_step_model_untouched():
     x, y = _data()
     model = _compiled()

@@ -9,7 +9,7 @@ import keras
 import numpy as np
 
 from keras_perf import backend as _backend
-from keras_perf._data_checks import check_fit_data
+from keras_perf._data_checks import check_fit_data, check_no_ignored_settings
 from keras_perf._utils import check_bool, check_int, check_number
 from keras_perf.diagnosis import _data, _measure, _trial
 from keras_perf.diagnosis._report import Diagnosis
@@ -120,6 +120,7 @@ def diagnose(
     """
     limit = _check(model, steps, max_seconds, batch_size, what_if, memory_limit_bytes)
     check_fit_data("diagnose", model, x)
+    check_no_ignored_settings("diagnose", model)
     source = _data.make_source(x, y, batch_size, steps)
     rng = _measure.RandomState()
     try:

@@ -17,7 +17,7 @@ import keras
 
 from keras_perf import _keras_internals as keras_internals
 from keras_perf import backend as _backend
-from keras_perf._data_checks import check_fit_data
+from keras_perf._data_checks import check_fit_data, check_no_ignored_settings
 from keras_perf._utils import check_int, check_number, first_tensor, map_batch
 from keras_perf.oom._batch_report import MaxBatchSizeReport
 from keras_perf.oom._probe import _probe_batch, check_not_consumable
@@ -341,6 +341,7 @@ def find_max_batch_size(
     start_batch_size = check_int("start_batch_size", start_batch_size, minimum=1)
     max_batch_size = check_int("max_batch_size", max_batch_size, minimum=1, allow_none=True)
     check_fit_data(_CALLER, model, x)
+    check_no_ignored_settings(_CALLER, model)
     largest = _largest(x, max_batch_size)
     probe = _probe_model(model, names)
     limit = _check_limit(memory_limit_bytes)

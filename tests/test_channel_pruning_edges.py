@@ -64,20 +64,38 @@ def test_backup_and_restore_resume_is_exact_in_both_orders(first, tmp_path):
         np.testing.assert_allclose(a, b, atol=1e-6)
 
 
+def _zero_channel_share(model):
+    """The share of the 32 prunable channels (c1, c2, d1) whose kernel slice is all zero."""
+    zero = 0
+    for name in ("c1", "c2", "d1"):
+        kernel = keras.ops.convert_to_numpy(model.get_layer(name).kernel)
+        zero += int((np.abs(kernel.reshape(-1, kernel.shape[-1])).sum(axis=0) == 0).sum())
+    return zero / 32
+
+
+@pytest.mark.parametrize("stopper", ["keras", "kp"])
 @pytest.mark.parametrize("first", ["pruning", "early_stopping"])
-def test_restore_best_weights_is_exactly_the_best_epoch(first):
+def test_restore_best_weights_is_exactly_the_best_epoch(first, stopper):
     keras.utils.set_random_seed(4)
     model = cnn()
     cb = kp.ChannelPruningCallback(schedule())
     # mode="max": the best epoch is an early one, pruned less than the last.
-    es = keras.callbacks.EarlyStopping("val_loss", mode="max", patience=10,
-                                       restore_best_weights=True)  # fmt: skip
+    es = (keras.callbacks.EarlyStopping if stopper == "keras" else kp.EarlyStopping)(
+        "val_loss", mode="max", patience=10, restore_best_weights=True
+    )
     fit(model, [cb, es] if first == "pruning" else [es, cb], epochs=3)
     assert es.best_epoch < 2
     val_loss = model.evaluate(X[:32], Y[:32], verbose=0)
     assert val_loss == pytest.approx(es.best, abs=1e-6)
     for got, best in zip(model.get_weights(), es.best_weights):
         np.testing.assert_array_equal(got, best)
+    # Regression (issue 41, item 11): `sparsity` reported the last epoch's schedule (0.66)
+    # where the model holds the best epoch's weights and masks; in either callback order it
+    # is now what the model holds.
+    held = _zero_channel_share(model)
+    assert cb.sparsity == pytest.approx(held)
+    assert len(cb.removed) == round(held * 32)
+    assert cb.sparsity < cb.history[-1]["sparsity"]
     # The next fit (without the callback) trains every channel of the best weights: no mask
     # of the last epoch is left on the weights.
     kernel = model.get_layer("c1").kernel

@@ -685,6 +685,64 @@ def test_generator_gives_up_at_most_steps_batches(digits):
     assert any("one-pass input" in n for n in d.notes)
 
 
+class _Batches:
+    """An iterator object (not a generator function) of (x, y) tuples: read once, as fit does."""
+
+    def __init__(self, x, y, pulled):
+        self.x, self.y, self.pulled, self.i = x, y, pulled, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        i = self.i
+        self.i += 1
+        self.pulled.append(i)
+        j = (i * 8) % (len(self.x) - 8)
+        return self.x[j : j + 8], self.y[j : j + 8]
+
+
+@pytest.mark.parametrize("kind", ["generator", "iterator", "tf.data iterator"])
+def test_one_pass_input_with_what_ifs(digits, kind):
+    """Regression (issue 41, item 6): the what-ifs read `source.x`, which a one-pass input
+    (a generator or iterator) does not have: `AttributeError: 'OnePassSource' object has no
+    attribute 'x'` with `what_if=True`. And `iter(tf.data.Dataset)` was taken for a dataset
+    (`'OwnedIterator' object has no attribute 'cardinality'`). Now the what-ifs run on the
+    batches held in memory, and at most `steps` batches are read."""
+    if kind == "tf.data iterator" and BACKEND != "tensorflow":
+        pytest.skip("tf.data tensors are fed to fit on TensorFlow")
+    (x, y), _ = digits
+    pulled = []
+    if kind == "generator":
+
+        def gen():  # a plain Python generator of numpy (x, y) tuples, no tf.data
+            for i in range(1000):
+                pulled.append(i)
+                yield x[i * 8 : i * 8 + 8], y[i * 8 : i * 8 + 8]
+
+        data = gen()
+    elif kind == "iterator":
+        data = _Batches(x, y, pulled)
+    else:
+        import tensorflow as tf
+
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(8).repeat()
+        data = iter(ds)
+    model = small_mlp()
+    before = _variables(model)
+    d = kp.diagnose(model, data, steps=8, max_seconds=4)
+    if kind != "tf.data iterator":  # tf.data may prefetch a batch or two ahead
+        assert 2 <= len(pulled) <= 8
+        assert d.batches_consumed <= len(pulled)
+    assert d.batches_consumed <= 8
+    assert d.input_kind == "generator"
+    assert not any("failed here" in n for n in d.notes), d.notes
+    for w in d.what_if:
+        assert not w["change"].startswith(("tf.data", "PyDataset", "batch_size=")), d.what_if
+    for a, b in zip(before, _variables(model)):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_bad_input_errors_before_measuring(digits):
     (x, y), _ = digits
     model = small_mlp()
@@ -713,7 +771,23 @@ def test_bad_input_errors_before_measuring(digits):
     if kp.backend.step_memory_unavailable() is not None:  # TensorFlow, no BFC allocator
         with pytest.raises(ValueError, match="TF_CPU_ALLOCATOR_USE_BFC=true before TensorFlow"):
             kp.diagnose(model, x, y, memory_limit_bytes=10**9)
+    # Regression (issue 41, item 9): 0 examples, a dict without one of the model's inputs.
+    with pytest.raises(ValueError, match="diagnose: `x` holds no examples"):
+        kp.diagnose(model, x[:0], y[:0])
+    a, b = keras.Input((4,), name="a"), keras.Input((3,), name="b")
+    two = keras.Model({"a": a, "b": b}, keras.layers.Dense(1)(keras.layers.Concatenate()([a, b])))
+    two.compile("sgd", "mse")
+    with pytest.raises(
+        ValueError, match=r"diagnose: `x` is a dict without the model's input\(s\) \['b'\]"
+    ):
+        kp.diagnose(two, {"a": np.zeros((64, 4), "float32")}, np.zeros((64, 1), "float32"))
+    # Regression (issue 41, item 10): a train-step setting on a plain model, ignored by Keras.
+    model.remat = "full"
+    with pytest.raises(ValueError, match=r"diagnose: `model.remat` is set on a plain Sequential"):
+        kp.diagnose(model, x, y)
+    del model.remat
     assert model.optimizer.iterations.numpy() == 0  # nothing ran
+    assert two.optimizer.iterations.numpy() == 0
 
 
 def test_cli_diagnose_json(digits, tmp_path, capsys):
@@ -765,3 +839,29 @@ def test_whole_epoch_timing_counts_what_a_fit_pays_after_its_epochs(digits):
     seconds = _measure.epoch_seconds(model, None, epochs=3, x=x[:64], y=y[:64], batch_size=16)
     assert seconds >= 0.3, seconds  # a third of the 0.9 s wrap-up, in each of the 3 epochs
     assert _measure.epoch_seconds(model, time.perf_counter() - 1, x=x[:64], y=y[:64]) is None
+
+
+# The bound docs/diagnose.md states: over calls 10 to 20 of one tool on one small model, the
+# process's resident memory grows by less than this (measured 2026-11-28: at most 0.4 MiB, on
+# every backend, except the TensorFlow cases below).
+REPEATED_CALLS_GROWTH_MIB = 5.0
+
+
+@pytest.mark.parametrize(
+    "tool", ["find_learning_rate", "find_max_batch_size", "diagnose", "inference_report"]
+)
+def test_repeated_calls_level_off_in_memory(tool):
+    """Issue 41 (memory over repeated use): 20 calls of each tool in one process, the user's
+    model alive throughout (no `clear_session`): RSS grows by less than the stated bound from
+    call 10 to call 20 (`benchmarks/bench_repeated_calls.py`)."""
+    if tool in ("find_max_batch_size", "diagnose") and BACKEND == "tensorflow":
+        pytest.xfail(
+            "known, not fixed yet: on TensorFlow each call grows RSS by 5-6 MiB (measured "
+            "6.2 find_max_batch_size, 5.5 diagnose); the twins are released (weakrefs dead), "
+            "the growth is in TensorFlow's runtime, one traced train function per twin"
+        )
+    from benchmarks.bench_repeated_calls import measure
+
+    m = measure(tool, calls=20)
+    assert m["model_alive"]
+    assert m["growth_mib"] < REPEATED_CALLS_GROWTH_MIB, m

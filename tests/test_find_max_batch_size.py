@@ -290,7 +290,7 @@ class _Batches(keras.utils.PyDataset):
         ({"start_batch_size": 0}, ValueError, "`start_batch_size` must be an integer >= 1"),
         ({"max_batch_size": 0}, ValueError, "`max_batch_size` must be an integer >= 1"),
         ({"max_batch_size": 65}, ValueError, "`max_batch_size` must be at most the 64 examples"),
-        ({"x": np.zeros((0, 16))}, ValueError, "`x` has no examples"),
+        ({"x": np.zeros((0, 16))}, ValueError, "`x` holds no examples"),
         ({"x": _Batches(), "y": None}, ValueError, "pass `max_batch_size`"),
         ({"x": iter([np.zeros((8, 16))]), "y": None}, TypeError, "generator or iterator"),
         ({"memory_limit_bytes": None}, ValueError, "nothing runs out of memory on a CPU"),
@@ -302,6 +302,35 @@ def test_bad_arguments_are_refused_before_any_step(monkeypatch, kwargs, error, m
     arguments = {"x": x, "y": y, "memory_limit_bytes": 10**9, **kwargs}
     with pytest.raises(error, match=match):
         kp.find_max_batch_size(_mlp(), **arguments)
+
+
+def test_a_dict_without_one_of_the_inputs_is_named_before_any_step(monkeypatch):
+    """Regression (issue 41, item 9): a dict `x` missing one of the model's inputs failed
+    inside the first try, in Keras' words."""
+    _no_steps(monkeypatch)
+    a, b = keras.Input((4,), name="a"), keras.Input((3,), name="b")
+    model = keras.Model({"a": a, "b": b}, keras.layers.Dense(2)(keras.layers.Concatenate()([a, b])))
+    model.compile("sgd", "mse")
+    x = {"a": np.zeros((16, 4), "float32")}
+    with pytest.raises(
+        ValueError,
+        match=r"find_max_batch_size: `x` is a dict without the model's input\(s\) \['b'\]",
+    ):
+        kp.find_max_batch_size(model, x, np.zeros((16, 2)), memory_limit_bytes=10**9)
+
+
+@pytest.mark.parametrize("attribute", ["remat", "microbatches"])
+def test_a_train_step_setting_on_a_plain_model_is_refused_with_the_fix(monkeypatch, attribute):
+    """Regression (issue 41, item 10): `model.remat = "full"` on a plain Keras model did
+    nothing, without a word."""
+    _no_steps(monkeypatch)
+    x, y = _data(16)
+    model = _mlp()
+    setattr(model, attribute, "full" if attribute == "remat" else 4)
+    with pytest.raises(
+        ValueError, match=rf"`model.{attribute}` is set on a plain .*kp.loss_scaled"
+    ):
+        kp.find_max_batch_size(model, x, y, memory_limit_bytes=10**9)
 
 
 def test_bad_models_are_refused_before_any_step(monkeypatch):

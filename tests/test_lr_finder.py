@@ -194,6 +194,65 @@ def test_an_uncompiled_model_or_no_model_is_refused():
         kp.find_learning_rate(_compiled(), None)
 
 
+def _two_inputs(structure="dict"):
+    a, b = keras.Input((4,), name="a"), keras.Input((3,), name="b")
+    out = keras.layers.Dense(1)(keras.layers.Concatenate()([a, b]))
+    model = keras.Model({"a": a, "b": b} if structure == "dict" else [a, b], out)
+    model.compile("sgd", "mse")
+    return model
+
+
+def test_no_examples_or_a_missing_input_is_named_before_any_step():
+    """Regression (issue 41, item 9): 0 examples raised `ZeroDivisionError` from Keras' array
+    adapter; a dict `x` without one of the model's inputs failed inside the traced step."""
+    model = _compiled()
+    before = _state(model)
+    with pytest.raises(ValueError, match=r"find_learning_rate: `x` holds no examples"):
+        kp.find_learning_rate(model, np.zeros((0, 8), "float32"), np.zeros(0))
+    _assert_same_state(before, _state(model))
+    rng = np.random.default_rng(0)
+    x = {"a": rng.normal(size=(64, 4)), "b": rng.normal(size=(64, 3))}
+    y = rng.normal(size=(64, 1))
+    for structure in ("dict", "list"):
+        model = _two_inputs(structure)
+        with pytest.raises(
+            ValueError, match=r"`x` is a dict without the model's input\(s\) \['b'\]"
+        ):
+            kp.find_learning_rate(model, {"a": x["a"]}, y)
+        assert int(model.optimizer.iterations) == 0
+    with pytest.raises(ValueError, match=r"`x` is a list of 1 arrays, but the model has 2"):
+        kp.find_learning_rate(_two_inputs("list"), [x["a"]], y)
+    if BACKEND == "tensorflow":  # a dataset of dicts: read from its element spec
+        import tensorflow as tf
+
+        ds = tf.data.Dataset.from_tensor_slices(({"a": x["a"]}, y)).batch(8)
+        with pytest.raises(ValueError, match=r"without the model's input\(s\) \['b'\]"):
+            kp.find_learning_rate(_two_inputs(), ds)
+        with pytest.raises(ValueError, match="the tf.data dataset `x` is empty"):
+            kp.find_learning_rate(_two_inputs(), ds.take(0))
+    with warnings.catch_warnings():  # 5 steps may give no suggestion: not the point
+        warnings.simplefilter("ignore", KerasPerfWarning)
+        f = kp.find_learning_rate(_two_inputs(), x, y, max_lr=1e-2, steps=5)  # both: it runs
+    assert len(f.lrs) == 5
+
+
+def test_remat_set_on_a_plain_model_is_refused_with_the_fix():
+    """Regression (issue 41, item 10): `model.remat = "full"` on a plain Keras model is an
+    attribute Keras never reads; it was silently ignored."""
+    x, y = _data()
+    model = _compiled()
+    model.remat = "full"
+    with pytest.raises(ValueError, match=r"kp.loss_scaled\(model, remat='full'\)"):
+        kp.find_learning_rate(model, x, y)
+    assert int(model.optimizer.iterations) == 0
+    wrapped = kp.loss_scaled(_mlp(), remat="full")  # the fix: keras-perf's train step reads it
+    wrapped.compile("adam", SCE)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", KerasPerfWarning)
+        f = kp.find_learning_rate(wrapped, x, y, steps=5)
+    assert len(f.lrs) == 5
+
+
 def test_data_fit_rejects_is_refused_before_any_step_model_untouched():
     x, y = _data()
     model = _compiled()
@@ -233,6 +292,52 @@ def test_least_squares_suggestion_is_below_the_stability_limit(schedule):
     assert f.stop_reason is not None and "exceeded 4x" in f.stop_reason
     assert f.lrs[-1] > limit and f.losses[-1] > 4 * min(f.losses)
     assert min(f.losses) < 0.5 * f.losses[0]
+
+
+def _ill_conditioned(n=256, d=8, seed=0):
+    """Least squares with feature scales 1 to 30: 2 / λmax of the loss's Hessian is its limit."""
+    rng = np.random.default_rng(seed)
+    x = (rng.normal(size=(n, d)) * np.logspace(0, 1.5, d)).astype("float32")
+    y = (x @ rng.normal(size=(d, 1)) + 0.1 * rng.normal(size=(n, 1))).astype("float32")
+    limit = 2.0 / np.linalg.eigvalsh(2.0 * x.T.astype("float64") @ x / n).max()
+    return x, y, limit
+
+
+@pytest.mark.parametrize(
+    "make_optimizer",
+    [
+        lambda lr: keras.optimizers.SGD(lr, momentum=0.9),
+        lambda lr: keras.optimizers.Adam(lr),
+        lambda lr: keras.optimizers.Adam(keras.optimizers.schedules.ExponentialDecay(lr, 8, 0.9)),
+    ],
+    ids=["sgd_momentum", "adam", "adam_schedule"],
+)
+def test_stale_momentum_does_not_drive_the_curve(make_optimizer):
+    """Regression (issue 41, item 7): after an epoch of SGD(momentum=0.9) on an ill-conditioned
+    least squares, the range test started from the trained momentum, diverged from its first
+    step at 1e-6 and gave no suggestion. It now runs with the optimizer's configuration and
+    fresh slots and `iterations` (Lightning re-creates the optimizer for `lr_find`): the curve is
+    that of the same weights under a newly compiled optimizer, and everything comes back."""
+    x, y, limit = _ill_conditioned()
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+    model.compile(make_optimizer(float(1.5 * limit)), "mse")
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    before = _state(model)
+    args = dict(min_lr=1e-6, max_lr=1.0, steps=60, batch_size=len(x))
+    f = kp.find_learning_rate(model, x, y, **args)
+    _assert_same_state(before, _state(model))  # the trained slots and iterations are back
+    assert int(model.optimizer.iterations) == 8
+
+    twin = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+    twin.set_weights(model.get_weights())
+    twin.compile(make_optimizer(float(1.5 * limit)), "mse")
+    g = kp.find_learning_rate(twin, x, y, **args)
+    np.testing.assert_allclose(f.raw_losses, g.raw_losses, rtol=1e-4)
+    assert f.suggestion == pytest.approx(g.suggestion, rel=1e-6)
+    assert len(f.lrs) > 20
+    if "SGD" in type(model.optimizer).__name__:
+        assert 0.02 * limit <= f.suggestion <= limit, (f.suggestion / limit, f)
 
 
 # --- the model is put back -------------------------------------------------------------------

@@ -66,6 +66,12 @@ class ChannelPruningCallback(_MaskingCallback):
             keeps its whole group. Defaults to `None`.
         verbose: 1 prints a line at each mask update. Defaults to `0`.
 
+    Attributes:
+        sparsity: The share of the prunable channels removed: during `fit` the schedule's
+            last update; after it, read from the model's weights (a restore of the best
+            weights by `EarlyStopping` shows). `removed`: those channels.
+        history: One entry per mask update (`step`, `target_sparsity`, `sparsity`).
+
     Raises:
         TypeError: a schedule that is not a `kp.PruningSchedule`, bad include/exclude items.
         ValueError: bad `importance` or `scope`; at the start of `fit`: an uncompiled model,
@@ -107,11 +113,45 @@ class ChannelPruningCallback(_MaskingCallback):
         self.exclude = check_selectors("exclude", exclude, classes=False, what=_select.NAMES)
         self.verbose = check_int("verbose", verbose, minimum=0)
         self.graph: ChannelGraph | None = None
-        self.removed: set = set()
-        self.sparsity = 0.0
+        self._removed: set = set()
+        self._sparsity = 0.0
         self.history: list[dict] = []
         self._masks: list = []  # (WeightAxes, mask variable)
         self._ready = False
+
+    # -- what the model holds ----------------------------------------------------------------
+    def _after_fit(self) -> bool:
+        return self.graph is not None and not self._ready
+
+    @property
+    def removed(self) -> set:
+        """The removed (all-zero) channels of the prunable groups. During `fit`, the masks'
+        channels; after it, read from the weights the model holds, so that a callback that
+        put other weights back at the end of `fit` (`EarlyStopping(restore_best_weights=True)`,
+        in either order) is reflected."""
+        if self._after_fit():
+            return _select.zero_channels(self.graph, [g for g in self.graph.groups if g.selected])
+        return self._removed
+
+    @removed.setter
+    def removed(self, value) -> None:
+        self._removed = set(value)
+
+    @property
+    def sparsity(self) -> float:
+        """The share of the prunable channels removed: during `fit`, what the schedule's last
+        update masked; after it, what the model's weights hold (see `removed`)."""
+        if self._after_fit():
+            return self._share(len(self.removed))
+        return self._sparsity
+
+    @sparsity.setter
+    def sparsity(self, value) -> None:
+        self._sparsity = float(value)
+
+    def _share(self, removed: int) -> float:
+        total = sum(len(g.channels) for g in self.graph.groups if g.selected)
+        return removed / total if total else 0.0
 
     def get_config(self) -> dict:
         return {
@@ -160,7 +200,7 @@ class ChannelPruningCallback(_MaskingCallback):
         model = self.model
         selected = [g for g in self.graph.groups if g.selected]
         # Resuming (or a second fit): channels already all-zero stay masked.
-        self.removed = _select.zero_channels(self.graph, selected)
+        self._removed = _select.zero_channels(self.graph, selected)
         self._install(model, selected)
         self._read_step(model)
         self._update_sparsity()
@@ -185,10 +225,10 @@ class ChannelPruningCallback(_MaskingCallback):
                 current = v.constraint
                 if isinstance(current, _ChannelMask):
                     mask = current.mask
-                    mask.assign(_mask_array(self.graph, w, self.removed))
+                    mask.assign(_mask_array(self.graph, w, self._removed))
                 else:
                     mask = keras.Variable(
-                        _mask_array(self.graph, w, self.removed), dtype=v.dtype,
+                        _mask_array(self.graph, w, self._removed), dtype=v.dtype,
                         trainable=False, autocast=False, name="channel_mask",
                     )  # fmt: skip
                     v.constraint = _ChannelMask(mask, current)
@@ -199,7 +239,7 @@ class ChannelPruningCallback(_MaskingCallback):
 
     def on_epoch_end(self, epoch, logs=None):
         if logs is not None:
-            logs["channel_sparsity"] = self.sparsity
+            logs["channel_sparsity"] = self._sparsity
 
     def on_train_end(self, logs=None):
         if self.graph is None or not self._ready:
@@ -246,23 +286,22 @@ class ChannelPruningCallback(_MaskingCallback):
 
     def _update(self, step: int, sparsity: float) -> None:
         model = self.model  # on JAX this attaches the latest state to the variables
-        self.removed = _select.choose(self.graph, sparsity, self.importance, self.scope)
+        self._removed = _select.choose(self.graph, sparsity, self.importance, self.scope)
         for w, mask in self._masks:
-            mask.assign(_mask_array(self.graph, w, self.removed))
+            mask.assign(_mask_array(self.graph, w, self._removed))
         self._apply()
         self._update_sparsity()
         self.history.append({"step": step, "target_sparsity": sparsity,
-                             "sparsity": self.sparsity})  # fmt: skip
+                             "sparsity": self._sparsity})  # fmt: skip
         self._refresh_train_step(model, masks_changed=True, constraints_changed=False)
         if self.verbose:
             print(
                 f"ChannelPruningCallback: step {step}: target sparsity {sparsity:.4f}, "
-                f"removed {len(self.removed)} channels ({self.sparsity:.4f} of the prunable)"
+                f"removed {len(self._removed)} channels ({self._sparsity:.4f} of the prunable)"
             )
 
     def _update_sparsity(self) -> None:
-        total = sum(len(g.channels) for g in self.graph.groups if g.selected)
-        self.sparsity = len(self.removed) / total if total else 0.0
+        self._sparsity = self._share(len(self._removed))
 
 
 __all__ = ["ChannelPruningCallback"]

@@ -9,6 +9,7 @@ import keras
 import numpy as np
 
 from keras_perf import backend as _backend
+from keras_perf._data_checks import check_fit_data, check_no_ignored_settings
 from keras_perf._utils import check_bool, check_int, check_number
 from keras_perf.diagnosis import _data, _measure, _trial
 from keras_perf.diagnosis._report import Diagnosis
@@ -100,8 +101,9 @@ def diagnose(
     Raises:
         ValueError: An uncompiled model, `steps < 1`, `max_seconds <= 0`,
             `memory_limit_bytes <= 0`, a cap where this backend cannot measure a step's peak
-            (TensorFlow's CPU allocator without `TF_CPU_ALLOCATOR_USE_BFC=true`), or data
-            `fit` would reject (before anything is measured).
+            (TensorFlow's CPU allocator without `TF_CPU_ALLOCATOR_USE_BFC=true`), `x` with no
+            examples or a dict without one of the model's inputs, or data `fit` would reject
+            (before anything is measured).
         TypeError: Arguments of the wrong type.
 
     Example:
@@ -117,6 +119,8 @@ def diagnose(
     ```
     """
     limit = _check(model, steps, max_seconds, batch_size, what_if, memory_limit_bytes)
+    check_fit_data("diagnose", model, x)
+    check_no_ignored_settings("diagnose", model)
     source = _data.make_source(x, y, batch_size, steps)
     rng = _measure.RandomState()
     try:

@@ -170,12 +170,13 @@ def make_source(x, y, batch_size, steps) -> Source:
     batched = None
     if isinstance(x, keras.utils.PyDataset):
         batched = "PyDataset"
+    elif inspect.isgenerator(x) or (hasattr(x, "__next__") and iter(x) is x):
+        # Before tf.data: `iter(dataset)` has an `element_spec` too, but is read once.
+        batched = "generator"
     elif _module(x).startswith("tensorflow") and hasattr(x, "element_spec"):
         batched = "tf.data"
     elif _module(x).startswith("torch.utils.data"):
         batched = "DataLoader"
-    elif inspect.isgenerator(x) or (hasattr(x, "__next__") and iter(x) is x):
-        batched = "generator"
     if batched is not None:
         if y is not None:
             raise ValueError(

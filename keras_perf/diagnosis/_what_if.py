@@ -97,8 +97,10 @@ def _pydataset_workers(ctx, notes) -> Change | None:
 
 def _tf_data_prefetch(ctx, notes) -> Change | None:
     """`prefetch(AUTOTUNE)` last in a tf.data pipeline that does not end with one."""
+    if ctx.source.kind != "tf.data":  # only tf.data sources hold a pipeline (`source.x`)
+        return None
     ds = ctx.source.x
-    if ctx.source.kind != "tf.data" or type(ds).__name__ == "_PrefetchDataset":
+    if type(ds).__name__ == "_PrefetchDataset":
         return None
     return Change(
         "tf.data prefetch",
@@ -111,8 +113,10 @@ def _tf_data_prefetch(ctx, notes) -> Change | None:
 
 def _tf_data_parallel_map(ctx, notes) -> Change | None:
     """`num_parallel_calls=AUTOTUNE` for a tf.data pipeline with a map that is not parallel."""
+    if ctx.source.kind != "tf.data":
+        return None
     ds = ctx.source.x
-    if ctx.source.kind != "tf.data" or not _backend.tf_data_has_stage(ds, "MapDataset"):
+    if not _backend.tf_data_has_stage(ds, "MapDataset"):
         return None
     return Change(
         "tf.data parallel map",
@@ -130,8 +134,10 @@ def _tf_data_cache(ctx, notes) -> Change | None:
     before the timed fit. The cache is measured at the end of the pipeline, an upper bound on
     a cache placed before shuffling and random augmentation, where it belongs.
     """
+    if ctx.source.kind != "tf.data":
+        return None
     ds = ctx.source.x
-    if ctx.source.kind != "tf.data" or _backend.tf_data_has_stage(ds, "CacheDataset"):
+    if _backend.tf_data_has_stage(ds, "CacheDataset"):
         return None
     batches = int(ds.cardinality())
     if batches <= 0:

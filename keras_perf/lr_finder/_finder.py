@@ -22,6 +22,8 @@ import warnings
 
 import keras
 
+from keras_perf import backend as _backend
+from keras_perf._data_checks import check_fit_data, check_no_ignored_settings
 from keras_perf._keras_internals import learning_rate_source
 from keras_perf._utils import check_int, check_number, iter_layers, warn
 from keras_perf.lr_finder._curve import LRFinderResult, SmoothedLoss, diverged
@@ -170,6 +172,56 @@ def _build_optimizer(model) -> None:
         model.optimizer.build(model.trainable_variables)
 
 
+def _innermost(optimizer):
+    while isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        optimizer = optimizer.inner_optimizer
+    return optimizer
+
+
+def fresh_slots(model) -> None:
+    """Give the model's optimizer the variable values of a new optimizer of the same
+    configuration: slots (momentum, moments, accumulators), `iterations` and gradient
+    accumulators as before its first step (Lightning re-creates the optimizer for `lr_find`).
+
+    The optimizer object, its configuration (clipping, weight decay, EMA, accumulation) and the
+    compiled step stay; only values change (the caller saved them). A `LossScaleOptimizer`'s own
+    scale is kept: it measures the gradients' range, not the past updates. An optimizer that
+    cannot be re-created from its config keeps its slots, with a warning.
+    """
+    optimizer = _innermost(model.optimizer)
+    if not optimizer.built:
+        return  # nothing to reset: its first step builds fresh slots
+    own_lr = learning_rate_source(optimizer)
+    try:
+        config = optimizer.get_config()
+        # The learning rate plays no part in the slots' initial values; a float keeps a
+        # schedule or callable (which may not serialise) out of the way.
+        config["learning_rate"] = 0.0
+        with _backend.model_scope(model):
+            fresh = type(optimizer).from_config(config)
+            fresh.build(model.trainable_variables)
+        fresh_lr = learning_rate_source(fresh)
+        own = [v for v in optimizer.variables if v is not own_lr]
+        new = [v for v in fresh.variables if v is not fresh_lr]
+        if len(own) != len(new) or any(
+            tuple(a.shape) != tuple(b.shape) for a, b in zip(own, new, strict=True)
+        ):
+            raise ValueError(
+                f"its variables do not line up ({len(own)} against {len(new)} re-created)"
+            )
+        values = [keras.ops.convert_to_numpy(v.value) for v in new]
+    except Exception as exc:
+        warn(
+            f"find_learning_rate: could not re-create {type(optimizer).__name__} from its "
+            f"config ({type(exc).__name__}: {exc}): the range test starts from the optimizer's "
+            "current slots, so momentum left by earlier training may drive the curve.",
+            stacklevel=5,
+        )
+        return
+    for variable, value in zip(own, values, strict=True):
+        variable.assign(value)
+
+
 def find_learning_rate(
     model,
     x,
@@ -227,8 +279,9 @@ def find_learning_rate(
     Raises:
         TypeError: `model` is not a `keras.Model`, or an argument has the wrong type.
         ValueError: the model is not compiled, `min_lr` or `max_lr` is not positive,
-            `min_lr >= max_lr`, `steps < 5`, `smoothing` is outside (0, 1], or `fit` rejects
-            the data (raised before any step, the model untouched).
+            `min_lr >= max_lr`, `steps < 5`, `smoothing` is outside (0, 1], `x` holds no
+            examples or is a dict without one of the model's inputs, or `fit` rejects the data
+            (raised before any step, the model untouched).
 
     Example:
         >>> import numpy as np, keras, keras_perf as kp
@@ -242,23 +295,34 @@ def find_learning_rate(
     min_lr, max_lr, steps, smoothing = _check_arguments(
         model, x, min_lr, max_lr, steps, batch_size, smoothing
     )
+    check_fit_data("find_learning_rate", model, x)
+    check_no_ignored_settings("find_learning_rate", model)
     optimizer = model.optimizer
     own_lr = learning_rate_object(optimizer)
     assign = isinstance(own_lr, keras.Variable)
     state = ModelState(model)
+    schedule = None if assign else _RangeSchedule(min_lr, max_lr, steps, 0)
+
+    def on_train_begin():
+        # Keras has built the model, metrics and optimizer by now: save, then start the test
+        # from fresh slots (every value comes back in `state.restore()`).
+        state.save_variables()
+        fresh_slots(model)
+        if schedule is not None:  # read when the step is traced, at the first step after this
+            schedule.start = int(keras.ops.convert_to_numpy(optimizer.iterations))
+
     callback = _RangeTestCallback(
         geometric_lrs(min_lr, max_lr, steps),
         smoothing,
         assign,
-        state.save_variables,
+        on_train_begin,
         one_pass=isinstance(x, collections.abc.Iterator),
     )
     _build_optimizer(model)
     state.save_attributes()
     try:
         if not assign:
-            start = int(keras.ops.convert_to_numpy(optimizer.iterations))
-            optimizer.learning_rate = _RangeSchedule(min_lr, max_lr, steps, start)
+            optimizer.learning_rate = schedule
         if not assign or model.steps_per_execution != 1:
             state.save_train_function()
             model.steps_per_execution = 1  # one step per epoch, one loss per step
@@ -312,6 +376,4 @@ def find_learning_rate(
 def learning_rate_object(optimizer):
     """The learning rate as `optimizer` holds it (a variable, a schedule or a callable); a
     `LossScaleOptimizer` delegates to its `inner_optimizer`."""
-    while isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        optimizer = optimizer.inner_optimizer
-    return learning_rate_source(optimizer)
+    return learning_rate_source(_innermost(optimizer))

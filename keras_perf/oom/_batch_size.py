@@ -17,6 +17,7 @@ import keras
 
 from keras_perf import _keras_internals as keras_internals
 from keras_perf import backend as _backend
+from keras_perf._data_checks import check_fit_data, check_no_ignored_settings
 from keras_perf._utils import check_int, check_number, first_tensor, map_batch
 from keras_perf.oom._batch_report import MaxBatchSizeReport
 from keras_perf.oom._probe import _probe_batch, check_not_consumable
@@ -315,8 +316,9 @@ def find_max_batch_size(
         ValueError: the model is not compiled, an unknown setting, `memory_limit_bytes` <= 0,
             no accelerator and no `memory_limit_bytes`, a peak this backend cannot measure
             (TensorFlow's CPU allocator without statistics: set `TF_CPU_ALLOCATOR_USE_BFC=true`
-            before TensorFlow is imported), `microbatches` < 2, sizes < 1, `x` empty or
-            smaller than `max_batch_size`. All before any step.
+            before TensorFlow is imported), `microbatches` < 2, sizes < 1, `x` empty, smaller
+            than `max_batch_size` or a dict without one of the model's inputs. All before any
+            step.
 
     Example:
         >>> import keras, keras_perf as kp, numpy as np
@@ -338,6 +340,8 @@ def find_max_batch_size(
     microbatches = check_int("microbatches", microbatches, minimum=2)
     start_batch_size = check_int("start_batch_size", start_batch_size, minimum=1)
     max_batch_size = check_int("max_batch_size", max_batch_size, minimum=1, allow_none=True)
+    check_fit_data(_CALLER, model, x)
+    check_no_ignored_settings(_CALLER, model)
     largest = _largest(x, max_batch_size)
     probe = _probe_model(model, names)
     limit = _check_limit(memory_limit_bytes)

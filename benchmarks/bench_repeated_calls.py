@@ -1,0 +1,145 @@
+"""Claim: calling the measuring tools again and again in one process levels off in memory.
+
+Users call `kp.diagnose`, `kp.find_max_batch_size`, `kp.find_learning_rate` and
+`kp.inference_report` many times in one notebook. Each call builds twins and compiles
+functions. This script calls each tool `--calls` times (20 by default) on one small model
+(an MLP 16-64-64-4, Adam) with small data, in one process, and reads the process's resident
+memory (RSS, `/proc/self/statm`) after every call. The figure is the growth from call 10 to
+call 20 (the first calls fill Keras', XLA's and the allocators' caches), in MiB, with the
+ratio RSS(20) / RSS(10). The user's model survives: no `keras.utils.clear_session()`.
+
+Each call is kept short (`diagnose`: 5 steps, `max_seconds=1`, no what-ifs unless `--what-if`;
+`find_learning_rate`: 10 steps; `find_max_batch_size`: one setting, a 64-example cap;
+`inference_report`: Keras' own format alone, batch 1, 3 repeats).
+
+Run: `python -m benchmarks.bench_repeated_calls [--quick] [--tools a,b] [--calls N]
+[--json out.json]`. `--quick` runs 12 calls (the growth then from call 6 to 12).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import warnings
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+if os.environ.get("KERAS_BACKEND", "tensorflow") == "tensorflow":
+    # find_max_batch_size's memory cap on TensorFlow's CPU needs the BFC allocator.
+    os.environ.setdefault("TF_CPU_ALLOCATOR_USE_BFC", "true")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+TOOLS = ("find_learning_rate", "find_max_batch_size", "diagnose", "inference_report")
+MIB = 2**20
+
+
+def rss() -> int:
+    from keras_perf._host_memory import host_memory
+
+    gc.collect()
+    return host_memory()["current_bytes"]
+
+
+def small_model():
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input((16,)),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(64, activation="relu"),
+            keras.layers.Dense(4),
+        ]
+    )
+    model.compile(
+        keras.optimizers.Adam(1e-3),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def data(n=256):
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(n, 16)).astype("float32"), rng.integers(0, 4, n)
+
+
+def one_call(tool: str, model, x, y, what_if: bool = False):
+    import keras_perf as kp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if tool == "find_learning_rate":
+            kp.find_learning_rate(model, x, y, steps=10, batch_size=32, max_lr=1e-2)
+        elif tool == "find_max_batch_size":
+            kp.find_max_batch_size(
+                model, x, y, settings=("plain",), memory_limit_bytes=10**9, max_batch_size=64
+            )
+        elif tool == "diagnose":
+            kp.diagnose(model, x, y, batch_size=32, steps=5, max_seconds=1, what_if=what_if)
+        elif tool == "inference_report":
+            kp.inference_report(model, x[:64], y[:64], batch_sizes=(1,), formats=["keras"],
+                                repeats=3, pause=0.0)  # fmt: skip
+        else:
+            raise ValueError(f"unknown tool {tool!r}; choose from {TOOLS}")
+
+
+def measure(tool: str, calls: int = 20, what_if: bool = False) -> dict:
+    """RSS after each of `calls` calls of `tool` on one model; the growth over the second half."""
+    model, (x, y) = small_model(), data()
+    model.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    before = rss()
+    after = []
+    for _ in range(calls):
+        one_call(tool, model, x, y, what_if)
+        after.append(rss())
+    half = calls // 2
+    growth = after[-1] - after[half - 1]
+    return {
+        "tool": tool,
+        "calls": calls,
+        "rss_before_mib": round(before / MIB, 1),
+        "rss_mib": [round(a / MIB, 1) for a in after],
+        "growth_mib": round(growth / MIB, 2),
+        "growth_from_call": half,
+        "ratio": after[-1] / after[half - 1],
+        "model_alive": model.built and model.optimizer is not None,
+    }
+
+
+def main() -> None:
+    from . import _harness
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--tools", default=",".join(TOOLS))
+    p.add_argument("--calls", type=int, default=None)
+    p.add_argument("--what-if", action="store_true")
+    args = p.parse_args()
+    calls = args.calls or (12 if args.quick else 20)
+    rows = []
+    for tool in args.tools.split(","):
+        m = measure(tool, calls, args.what_if)
+        print(m, file=sys.stderr)
+        rows.append(
+            {
+                "claim": f"{tool}: RSS(call {calls}) / RSS(call {m['growth_from_call']})",
+                "backend": keras.backend.backend(),
+                "wall_ratio": round(m["ratio"], 4),
+                "cpu_ratio": None,
+                "wall_spread": [],
+                "cpu_spread": [],
+                "repeats": calls,
+                "target": "growth < 1 MiB/call",
+                "note": f"growth {m['growth_mib']} MiB over calls "
+                f"{m['growth_from_call']}-{calls}; RSS {m['rss_mib'][0]}-{m['rss_mib'][-1]} MiB",
+            }
+        )
+    _harness.finish(rows, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -238,10 +238,33 @@ class _Run:
         if self.callbacks.epoch_in_progress():
             self.callbacks.rewind()
 
+    def settle_metrics(self) -> None:
+        """Give the user's model's metric variables values, as a plain `fit` leaves them.
+
+        On JAX a `fit` that raised leaves the variables it took into the compiled step without
+        values (Keras purges them for the step's duration; a donated buffer is deleted): the
+        snapshot restores weights and optimizer, not metrics, which Keras resets at each epoch
+        start. A model that trained on as a `kp.loss_scaled` twin never runs that reset, so
+        its metrics are reset here and get the twin's final states where the twin has the
+        same metric (path); then `evaluate`, `find_learning_rate` or another `fit` work.
+        """
+        model, fitting = self.model, self.fitting
+        for metric in model.metrics:
+            metric.reset_state()
+        if fitting is model:
+            return
+        final = {v.path: v for v in fitting.metrics_variables}
+        for v in model.metrics_variables:
+            twin = final.get(v.path)
+            if twin is not None and tuple(twin.shape) == tuple(v.shape):
+                v.assign(twin.value)
+
     def give_up(self, reason, exc) -> RuntimeError:
         # Leave the model as it was when the failed epoch began (on JAX the failed call may
         # have left its variables without values).
         self.rewind()
+        if self.events:
+            self.settle_metrics()
         events = self.events
         return RuntimeError(
             f"fit_with_oom_retry gave up after {len(events)} out-of-memory error(s): {reason} "
@@ -284,6 +307,8 @@ class _Run:
         )
         history.oom_events = self.events
         self.model.history = history
+        if self.events:
+            self.settle_metrics()
         return history
 
 

@@ -337,11 +337,13 @@ def fit_with_oom_retry(
 
     The ladder: `"remat"` (the model's activations recomputed in the backward pass,
     `remat="full"`: the batch stays whole, the same arithmetic) and `"microbatches"` (twice
-    as many micro-batches per step). The rung that keeps training exact comes first: remat
-    for a model with BatchNormalization or a `kp.quantize_aware` model (micro-batches would
-    normalise each slice with its own statistics, move the activation ranges towards each
-    slice's min and max), micro-batches otherwise; then the other rung alone; then both, the
-    micro-batches doubling at each further error. `strategies` picks and orders the rungs.
+    as many micro-batches per step). The rung closest to the uninterrupted run comes first:
+    remat for a model with BatchNormalization (exact) or a `kp.quantize_aware` model
+    (micro-batches would normalise each slice with its own statistics, move the activation
+    ranges towards each slice's min and max; remat on a QAT model is not exact on TensorFlow
+    and JAX either: recomputed activations round differently, which fake quantization
+    amplifies, but it ends closer, docs/oom.md), micro-batches otherwise; then the other
+    rung alone; then both, the micro-batches doubling at each further error. `strategies` picks and orders the rungs.
 
     Micro-batching comes from the model's own `kp.LossScaleTrainStep` (its `microbatches` is
     doubled and stays raised afterwards) or, for a stock Sequential or Functional model, from

@@ -238,7 +238,7 @@ class _Run:
         if self.callbacks.epoch_in_progress():
             self.callbacks.rewind()
 
-    def settle_metrics(self) -> None:
+    def settle_metrics(self, from_twin: bool = True) -> None:
         """Give the user's model's metric variables values, as a plain `fit` leaves them.
 
         On JAX a `fit` that raised leaves the variables it took into the compiled step without
@@ -247,11 +247,12 @@ class _Run:
         start. A model that trained on as a `kp.loss_scaled` twin never runs that reset, so
         its metrics are reset here and get the twin's final states where the twin has the
         same metric (path); then `evaluate`, `find_learning_rate` or another `fit` work.
+        Giving up (`from_twin=False`), the twin's own metrics are the failed call's: only reset.
         """
         model, fitting = self.model, self.fitting
         for metric in model.metrics:
             metric.reset_state()
-        if fitting is model:
+        if fitting is model or not from_twin:
             return
         final = {v.path: v for v in fitting.metrics_variables}
         for v in model.metrics_variables:
@@ -264,7 +265,7 @@ class _Run:
         # have left its variables without values).
         self.rewind()
         if self.events:
-            self.settle_metrics()
+            self.settle_metrics(from_twin=False)
         events = self.events
         return RuntimeError(
             f"fit_with_oom_retry gave up after {len(events)} out-of-memory error(s): {reason} "

@@ -382,6 +382,35 @@ def test_peak_memory_tensorflow_with_bfc_allocator():
     assert large[2] - small[2] >= 96 * 3 * 256 * 4
 
 
+@pytest.mark.slow
+@pytest.mark.backends("tensorflow")
+@pytest.mark.skipif(kp.backend.has_accelerator(), reason="a CPU's measure")
+def test_tensorflow_peak_is_the_epochs_own_over_repeated_fits():
+    """Regression (issue 41, memory over repeated use): the BFC allocator's raw peak holds every
+    tensor of the process, and a model trained by Keras' traced step leaves its weights and
+    Adam slots allocated after `del model` (TensorFlow 2.21), so fresh models' peaks grew
+    fit by fit (88, 125, 171 MB). The figure is the peak above the epoch's start plus the
+    model's own state: fresh identical models log the same, micro-batches show their saving."""
+    code = (
+        "import gc, json\n"
+        "from test_monitor import _memory_mlp, _monitored_peaks\n"
+        "out = []\n"
+        "for k in (1, 4, 1, 1):\n"
+        "    model = _memory_mlp()\n"
+        "    model.microbatches = k\n"
+        "    out.append(_monitored_peaks(model, 256)[0][0]['peak_memory_bytes'])\n"
+        "    del model\n"
+        "    gc.collect()\n"
+        "print(json.dumps(out))\n"
+    )
+    first, micro, again, third = tensorflow_with_bfc(code)
+    weights = 64 * 256 + 2 * 256 * 256 + 256 * 10
+    # Each earlier model left about 3 x its weights behind (weights and two Adam slots).
+    assert abs(third - first) < 0.1 * first and abs(again - first) < 0.1 * first
+    assert first - micro >= 0.5 * 192 * 3 * 256 * 4  # 3/4 of the batch's activations, at least half
+    assert first >= 3 * weights * 4
+
+
 # ---------------------------------------------------------------- JSONL, reuse
 class _CrashInEpoch(keras.callbacks.Callback):
     def __init__(self, epoch):

@@ -958,3 +958,58 @@ def test_unbuilt_model_fed_a_dataset_gives_up_when_its_first_epoch_cannot_be_rol
     oom = OOMUnless(lambda remat, k: k >= 2)
     h = kp.fit_with_oom_retry(model, Batches(x, y, 16), verbose=0, callbacks=[oom])
     assert [e["epoch"] for e in h.oom_events] == [0] and int(model.optimizer.iterations) == 3
+
+
+# -- the model and the monitor after a recovery (issue 41, items 4 and 5) ------------------
+def _usable_after_recovery(model, x, y, history):
+    """What a plain `fit` leaves: metric states of the last epoch; evaluate, the LR range
+    test and another fit run."""
+    result = model.get_metrics_result()
+    assert float(result["accuracy"]) == pytest.approx(history.history["accuracy"][-1])
+    assert np.isfinite(model.evaluate(x, y, verbose=0)).all()
+    assert kp.find_learning_rate(model, x, y, steps=8, batch_size=16).lrs
+    assert np.isfinite(model.fit(x, y, batch_size=16, verbose=0).history["loss"]).all()
+
+
+def test_monitor_keeps_its_measure_and_model_is_usable_after_a_recovery():
+    # Regression (issue 41, item 4): after the recovery the monitor measured the user's model,
+    # which no longer trains (the twin does): epochs 2-3 logged the process's peak RSS
+    # (1.1 GB, `host_peak_rss`) where epoch 1 logged the step's count (32 KB).
+    x, y = _data(n=48)
+    model = _mlp()
+    model.compile(keras.optimizers.Adam(0.01), SCE, metrics=["accuracy"])
+    oom = OOMUnless(lambda remat, k: k >= 2, from_step=3)  # epoch 2's first step
+    mon = kp.TrainingMonitor()
+    h = kp.fit_with_oom_retry(
+        model, x, y, batch_size=16, epochs=3, shuffle=False, verbose=0, callbacks=[oom, mon]
+    )
+    assert [(e["epoch"], e["strategy"]) for e in h.oom_events] == [(1, "microbatches")]
+    measures = [r["memory_measure"] for r in mon.history]
+    if BACKEND != "tensorflow" and not kp.backend.has_accelerator():
+        assert (
+            measures
+            == [{"jax": "xla_memory_analysis", "torch": "torch_saved_tensors"}[BACKEND]] * 3
+        )
+        peaks = [r["peak_memory_bytes"] for r in mon.history]
+        assert max(peaks) < 2**20  # the step's count of a 6-8-3 MLP, not the process
+    assert len(set(measures)) == 1
+    _usable_after_recovery(model, x, y, h)
+
+
+@pytest.mark.backends("jax")
+def test_metrics_have_values_after_a_failure_inside_the_compiled_step():
+    # Regression (issue 41, item 5): Keras' JAX trainer takes the metric variables' values
+    # into the compiled step (purged, then donated); after the failed fit the user's model,
+    # which the twin replaced, kept metric variables without values and
+    # `kp.find_learning_rate` next raised a TypeError (or "Array has been deleted").
+    x, y = _data(n=48)
+    keras.utils.set_random_seed(0)
+    layer = _HostOOM(fail_at=5)  # epoch 1, step 1
+    model = keras.Sequential(
+        [keras.Input((6,)), keras.layers.Dense(8, activation="tanh"), layer, keras.layers.Dense(3)]
+    )
+    model.compile(keras.optimizers.Adam(0.01), SCE, metrics=["accuracy"])
+    h = kp.fit_with_oom_retry(model, x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    assert [e["epoch"] for e in h.oom_events] == [1]
+    layer.fail_at = -1
+    _usable_after_recovery(model, x, y, h)

@@ -201,8 +201,12 @@ class _CompiledStepEpochMemory(StepSpy):
 
     def start_epoch(self) -> None:
         self._specs = None
-        if not self._failed:
-            self.install()
+        if not self._failed and self.install():
+            # A rebuilt train function (new `remat` or `microbatches` on the same model): the
+            # counts per batch shape were of the old step.
+            function = self._wrapper._kp_original
+            if function is not getattr(self, "_function", None):
+                self._function, self._bytes = function, {}
 
     def finish_epoch(self):
         if self._specs is None or self._failed:

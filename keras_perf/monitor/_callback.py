@@ -153,6 +153,7 @@ class TrainingMonitor(keras.callbacks.Callback):
         self._writer = ScalarWriter(self.log_dir) if self.log_dir is not None else None
         self.reset()
         self._epoch_memory = None  # the backend's per-epoch memory meter during a fit
+        self._memory_model = None  # the model it measures
 
     # ----------------------------------------------------------------- state
     def reset(self) -> None:
@@ -201,7 +202,7 @@ class TrainingMonitor(keras.callbacks.Callback):
         self._warned_examples = False
         self._accelerator = _backend.has_accelerator()
         self._close_epoch_memory()  # left open by a fit that raised
-        self._epoch_memory = None if self._accelerator else _backend.epoch_memory(self.model)
+        self._open_epoch_memory()
         self._flops = self.flops_per_example
         if self._flops is None:
             self._flops = estimate_flops_per_example(self.model)
@@ -231,6 +232,11 @@ class TrainingMonitor(keras.callbacks.Callback):
             _backend.reset_peak_memory()
         else:
             _backend.reset_host_peak_memory()
+            if self._memory_model is not self.model:
+                # `fit_with_oom_retry` re-pointed the callbacks at the model that trains now
+                # (a `kp.loss_scaled` twin after an out-of-memory error): measure that one.
+                self._close_epoch_memory()
+                self._open_epoch_memory()
             if self._epoch_memory is not None:
                 self._epoch_memory.start_epoch()
         self._examples = None
@@ -313,6 +319,10 @@ class TrainingMonitor(keras.callbacks.Callback):
         record["peak_memory_bytes"] = int(stats["bytes"])
         record["memory_device"] = stats["device"]
         record["memory_measure"] = stats["measure"]
+
+    def _open_epoch_memory(self) -> None:
+        self._memory_model = self.model
+        self._epoch_memory = None if self._accelerator else _backend.epoch_memory(self.model)
 
     def _close_epoch_memory(self) -> None:
         meter, self._epoch_memory = self._epoch_memory, None

@@ -238,10 +238,34 @@ class _Run:
         if self.callbacks.epoch_in_progress():
             self.callbacks.rewind()
 
+    def settle_metrics(self, from_twin: bool = True) -> None:
+        """Give the user's model's metric variables values, as a plain `fit` leaves them.
+
+        On JAX a `fit` that raised leaves the variables it took into the compiled step without
+        values (Keras purges them for the step's duration; a donated buffer is deleted): the
+        snapshot restores weights and optimizer, not metrics, which Keras resets at each epoch
+        start. A model that trained on as a `kp.loss_scaled` twin never runs that reset, so
+        its metrics are reset here and get the twin's final states where the twin has the
+        same metric (path); then `evaluate`, `find_learning_rate` or another `fit` work.
+        Giving up (`from_twin=False`), the twin's own metrics are the failed call's: only reset.
+        """
+        model, fitting = self.model, self.fitting
+        for metric in model.metrics:
+            metric.reset_state()
+        if fitting is model or not from_twin:
+            return
+        final = {v.path: v for v in fitting.metrics_variables}
+        for v in model.metrics_variables:
+            twin = final.get(v.path)
+            if twin is not None and tuple(twin.shape) == tuple(v.shape):
+                v.assign(twin.value)
+
     def give_up(self, reason, exc) -> RuntimeError:
         # Leave the model as it was when the failed epoch began (on JAX the failed call may
         # have left its variables without values).
         self.rewind()
+        if self.events:
+            self.settle_metrics(from_twin=False)
         events = self.events
         return RuntimeError(
             f"fit_with_oom_retry gave up after {len(events)} out-of-memory error(s): {reason} "
@@ -284,6 +308,8 @@ class _Run:
         )
         history.oom_events = self.events
         self.model.history = history
+        if self.events:
+            self.settle_metrics()
         return history
 
 
@@ -312,11 +338,13 @@ def fit_with_oom_retry(
 
     The ladder: `"remat"` (the model's activations recomputed in the backward pass,
     `remat="full"`: the batch stays whole, the same arithmetic) and `"microbatches"` (twice
-    as many micro-batches per step). The rung that keeps training exact comes first: remat
-    for a model with BatchNormalization or a `kp.quantize_aware` model (micro-batches would
-    normalise each slice with its own statistics, move the activation ranges towards each
-    slice's min and max), micro-batches otherwise; then the other rung alone; then both, the
-    micro-batches doubling at each further error. `strategies` picks and orders the rungs.
+    as many micro-batches per step). The rung closest to the uninterrupted run comes first:
+    remat for a model with BatchNormalization (exact) or a `kp.quantize_aware` model
+    (micro-batches would normalise each slice with its own statistics, move the activation
+    ranges towards each slice's min and max; remat on a QAT model is not exact on TensorFlow
+    and JAX either: recomputed activations round differently, which fake quantization
+    amplifies, but it ends closer, docs/oom.md), micro-batches otherwise; then the other
+    rung alone; then both, the micro-batches doubling at each further error. `strategies` picks and orders the rungs.
 
     Micro-batching comes from the model's own `kp.LossScaleTrainStep` (its `microbatches` is
     doubled and stays raised afterwards) or, for a stock Sequential or Functional model, from

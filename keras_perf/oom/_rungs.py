@@ -225,7 +225,10 @@ def check_strategies(strategies) -> tuple | None:
 # Layers whose training call reads the batch as a whole: BatchNormalization normalises with
 # the batch's statistics and moves its own; a `kp.quantize_aware` activation quantizer moves
 # its range towards the batch's min and max. Micro-batches would do either once per slice,
-# with the slice's values, so remat (the batch kept whole) is the exact rung for them.
+# with the slice's values, so remat (the batch kept whole) is the closer rung for them: exact
+# with BatchNormalization; on a QAT model on TensorFlow and JAX not to the bit (recomputed
+# activations round differently and fake quantization amplifies it; docs/oom.md measures
+# remat 3-7x closer than micro-batches).
 _BATCH_DEPENDENT = (keras.layers.BatchNormalization, ActivationQuantizer)
 
 
@@ -238,7 +241,7 @@ def ladder(model, strategies):
     """The settings to try after each OOM: yields (strategy, remat, microbatches).
 
     Micro-batching `model` (a loss-scaled twin for a stock model) starting from its current
-    settings. The rung that keeps training exact comes first: remat (the batch stays whole)
+    settings. The rung closest to plain training comes first: remat (the batch stays whole)
     for a model with batch-dependent layers, micro-batches (each update is the full-batch
     update) otherwise; then the other rung; then both, the micro-batches doubling from there
     on. A model whose `remat` is already on has no remat rung (it stays on).

@@ -16,7 +16,12 @@ Two things differ from Keras' own wrapping, both for exactness on all three back
   (BatchNormalization's moving statistics, a Dropout or noise layer's seed, a quantizer's
   range), and running it again in the backward pass would change it twice (torch), leak the
   update out of `jax.checkpoint` (JAX) or draw a different random mask. Its sublayers that
-  own no such variable are recomputed instead.
+  own no such variable are recomputed instead;
+- a layer whose gradient with respect to a weight is sparse (`Embedding`: a gather of rows,
+  `tf.IndexedSlices` on TensorFlow) is never recomputed either: TensorFlow's
+  `recompute_grad` hands the gradient back dense, and Keras' Adam updates a dense gradient
+  differently from a sparse one (every row's moments decay, not only the rows looked up:
+  weights 5e-3 away after 16 steps). Its input is kept anyway; recomputing it saves nothing.
 """
 
 from __future__ import annotations
@@ -38,6 +43,20 @@ _LOCK = threading.Lock()
 
 def _direct_sublayers(layer):
     return [x for x in keras_internals.direct_sublayers(layer) if isinstance(x, keras.layers.Layer)]
+
+
+# Layers whose gradient with respect to a weight is sparse on TensorFlow (a gather of rows).
+_SPARSE_GRADIENT = (keras.layers.Embedding,)
+
+
+def _kept(layer) -> bool:
+    """Whether `layer` itself is never recomputed: it owns state, or a weight with a sparse
+    gradient (`_SPARSE_GRADIENT`, anywhere inside it)."""
+    if _stateful(layer):
+        return True
+    if isinstance(layer, _SPARSE_GRADIENT):
+        return True
+    return any(isinstance(sub, _SPARSE_GRADIENT) for sub in iter_layers(layer))
 
 
 def _stateful(layer) -> bool:
@@ -98,6 +117,13 @@ def check_remat_names(model, remat) -> None:
             f"`remat` names layers whose call changes their state (moving statistics, random "
             f"seeds): {stateful}; recomputing them would change it twice. Leave them out."
         )
+    sparse = [n for n in remat if _kept(layers[n])]
+    if sparse:
+        raise ValueError(
+            f"`remat` names layers with a sparse weight gradient (Embedding): {sparse}; "
+            "recomputed, their gradient would be dense on TensorFlow, which Adam updates "
+            "differently. Leave them out (their input is kept anyway)."
+        )
 
 
 def _per_example(shape) -> int:
@@ -113,8 +139,8 @@ def _output_elements(layer):
 def plan(model, remat, threshold):
     """The layers to recompute: [(layer, "call" | "activation")], outermost first.
 
-    A layer is recomputed whole when it owns no state; a stateful container is opened and
-    its sublayers considered instead. Names (a tuple) select those layers only.
+    A layer is recomputed whole when it owns no state and no weight with a sparse gradient;
+    such a container is opened and its sublayers considered instead. Names (a tuple) select those layers only.
     """
     if remat is None:
         return []
@@ -132,7 +158,7 @@ def plan(model, remat, threshold):
             for sub in _direct_sublayers(layer):
                 visit(sub)
             return
-        if _stateful(layer) or isinstance(layer, keras.layers.InputLayer):
+        if _kept(layer) or isinstance(layer, keras.layers.InputLayer):
             for sub in _direct_sublayers(layer):
                 visit(sub)
             return

@@ -97,6 +97,23 @@ def test_uncompiled_model_and_bad_data_are_refused():
         kp.accelerate(model, (b for b in [(x, y)]), batch_size=8)
 
 
+def test_plain_model_with_a_train_step_setting_and_missing_input_are_refused():
+    # Issue 41 item 10: `model.remat = "full"` on a plain model is ignored by Keras' step.
+    model = _mlp()
+    x, y = _data(64)
+    model.remat = "full"
+    with pytest.raises(ValueError, match=r"accelerate: `model.remat` is set on a plain"):
+        kp.accelerate(model, x, y)
+    inp = {"a": keras.Input((4,), name="a"), "b": keras.Input((4,), name="b")}
+    out = keras.layers.Dense(3)(keras.layers.Concatenate()([inp["a"], inp["b"]]))
+    model = keras.Model(inp, out)
+    model.compile("adam", SCE)
+    with pytest.raises(ValueError, match="accelerate: .*`x`"):
+        kp.accelerate(model, {"a": x[:, :4]}, y)
+    with pytest.raises(ValueError, match="accelerate: `x` holds no examples"):
+        kp.accelerate(_mlp(), x[:0], y[:0])
+
+
 # -- measuring: the report, the model untouched ----------------------------------------------
 
 

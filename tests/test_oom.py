@@ -397,6 +397,15 @@ def test_bad_arguments(kwargs, error, match):
         kp.fit_with_oom_retry(model, np.zeros((4, 6)), np.zeros(4), **kwargs)
 
 
+def test_plain_model_with_remat_attribute_is_refused():
+    # Issue 41 item 10: Keras' own step ignores `model.remat`; say so instead of training.
+    model, _ = _model()
+    _compile(model)
+    model.remat = "full"
+    with pytest.raises(ValueError, match=r"kp.fit_with_oom_retry: `model.remat` is set"):
+        kp.fit_with_oom_retry(model, np.zeros((4, 6)), np.zeros(4))
+
+
 def test_model_checks():
     with pytest.raises(TypeError, match="must be a keras.Model"):
         kp.fit_with_oom_retry("model", np.zeros((4, 6)))

@@ -12,6 +12,7 @@ import time
 import keras
 import numpy as np
 
+from keras_perf._data_checks import check_fit_data, check_no_ignored_settings
 from keras_perf._utils import check_bool, check_int, check_number
 from keras_perf.acceleration import _apply, _candidates, _exact, _measure
 from keras_perf.acceleration._report import Acceleration
@@ -140,6 +141,8 @@ def accelerate(model, x, y=None, batch_size=None, *, max_seconds=60, exact=True,
     ```
     """
     _check(model, batch_size, max_seconds, exact, apply)
+    check_no_ignored_settings("accelerate", model)
+    check_fit_data("accelerate", model, x)
     source, notes = _source(x, y, batch_size)
     rng = _dmeasure.RandomState()
     try:

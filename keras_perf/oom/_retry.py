@@ -17,6 +17,7 @@ import keras
 
 from keras_perf import _keras_internals as keras_internals
 from keras_perf import backend as _backend
+from keras_perf._data_checks import check_no_ignored_settings
 from keras_perf._utils import check_int
 from keras_perf.oom import _state
 from keras_perf.oom._rungs import (
@@ -76,6 +77,7 @@ def _check_arguments(model, batch_size, epochs, min_batch_size, max_retries, fit
     if isinstance(fit_kwargs.get("callbacks"), keras.callbacks.CallbackList):
         raise TypeError("Pass `callbacks` as a list of callbacks, not a CallbackList.")
     _check_validation_data(fit_kwargs)
+    check_no_ignored_settings("kp.fit_with_oom_retry", model)
     return batch_size, epochs, min_batch_size, max_retries, initial_epoch
 
 

@@ -100,11 +100,15 @@ def install_traced_step(model: keras.Model, *, inductor: bool = False) -> None:
 
 def remove_traced_step(model: keras.Model) -> None:
     """Return `model` to Keras' own train step (or keras-perf's): the next `fit` runs it."""
-    step = model.__dict__.get(_ATTR)
+    _uninstall(model)
+    model.__dict__.pop(_ATTR, None)
+
+
+def _uninstall(model) -> None:
+    """Take the installed step's hooks off `model` (its state, with the reason, stays)."""
     for name in ("train_step", "make_train_function"):
         model.__dict__.pop(name, None)
-    if step is not None:
-        model.train_function = None
+    model.train_function = None
 
 
 def traced_step_state(model: keras.Model) -> dict:
@@ -119,7 +123,15 @@ def traced_step_state(model: keras.Model) -> dict:
     """
     step = model.__dict__.get(_ATTR)
     if step is None:
-        return {"active": False, "reason": None, "inductor": False, "signatures": 0}
+        setting = (
+            getattr(model, "traced_step", False) if isinstance(model, TrainStepBase) else False
+        )
+        return {
+            "active": setting is not False,
+            "reason": None,
+            "inductor": setting == "inductor",
+            "signatures": 0,
+        }
     step.check_compiled()
     return {
         "active": step.reason is None and _installed(model, step),
@@ -132,14 +144,16 @@ def traced_step_state(model: keras.Model) -> dict:
 def traced_step_for(model: keras.Model, inductor: bool = False) -> _TracedStep:
     """The traced step of a `kp.LossScaleTrainStep` model with `traced_step=True` (made once)."""
     step = model.__dict__.get(_ATTR)
-    if step is None or step.inductor != inductor:
+    if step is None or step.inductor != inductor or step.installed:
         step = _TracedStep(model, inductor=inductor, installed=False)
         object.__setattr__(model, _ATTR, step)
     return step
 
 
 def _installed(model, step) -> bool:
-    return model.__dict__.get("train_step") is step or not step.installed
+    if step.installed:
+        return model.__dict__.get("train_step") is step
+    return getattr(model, "traced_step", False) is not False
 
 
 class _Fallback(Exception):
@@ -182,16 +196,19 @@ class _TracedStep:
     def check_compiled(self) -> bool:
         """False (and the model back to Keras' own step) once the model was compiled again."""
         model = self.model
-        if self.reason is None and (
+        if (
             getattr(model, "_compile_config", None) is not self.compile_config
             or model.optimizer is not self.optimizer
-        ):
+        ) and (self.reason is None or not self.installed):
+            if not self.installed:  # the `traced_step` setting: it holds for the new compile
+                self.__init__(model, self.inductor, installed=False)
+                return True
             self.reason = (
                 "the model was compiled again after the traced step was installed; it trains "
                 "with Keras' own step (install the traced step again to use it)"
             )
             if self.installed:
-                remove_traced_step(model)
+                _uninstall(model)
         return self.reason is None
 
     def __call__(self, data):
@@ -281,6 +298,10 @@ class _TracedStep:
             after_fwd = [fwd.get_current_value(v) for v in variables]
             after_fwd = [s if a is None else a for s, a in zip(state, after_fwd)]
             _check_unmapped(fwd, index)
+            with torch.no_grad():
+                return _finish(grads, after_fwd, state, x, y, y_pred, sample_weight)
+
+        def _finish(grads, after_fwd, state, x, y, y_pred, sample_weight):
             if kp_step:
                 new, logs = _kp_update(model, variables, state, after_fwd, grads, n_tv,
                                        (x, y, y_pred, sample_weight))  # fmt: skip

@@ -24,10 +24,12 @@ bit for bit where the same kernels run (tests compare within 1e-5).
 
 Tracing with fake tensors refuses what a graph cannot hold: Python control flow on a tensor's
 value (`if ops.sum(x) > 0`), `.item()`/`.numpy()` in `call`, a float16 `LossScaleOptimizer`
-(it branches on finiteness in Python), Dropout and other random layers (Keras' torch RNG
-seeds a `torch.Generator` from the seed tensor's value). Such a model keeps Keras' own step
-(or keras-perf's), and `traced_step_state(model)["reason"]` says why; one
-`keras_perf.KerasPerfWarning` is given.
+(it branches on finiteness in Python), a seeded Dropout or other seeded random layer (Keras'
+torch RNG seeds a `torch.Generator` from the seed tensor's value). Such a model keeps Keras'
+own step (or keras-perf's), `traced_step_state(model)["reason"]` says why, and one
+`keras_perf.KerasPerfWarning` is given. An unseeded Dropout traces: it calls torch's own
+dropout, which draws from torch's global generator when the graph runs (the same masks as
+Keras' eager step under the same seed).
 
 On a `kp.LossScaleTrainStep` model the traced step is keras-perf's step with
 `microbatches=1`: `clipnorm` of the global gradient norm, the non-finite skip (the update
@@ -45,11 +47,19 @@ from __future__ import annotations
 import warnings
 
 import keras
-import torch
-from torch.fx.experimental.proxy_tensor import make_fx
 
-from keras_perf._utils import KerasPerfWarning, metric_results_deferred, training_step
-from keras_perf.train_step._base import TrainStepBase
+if keras.backend.backend() != "torch":  # a train-step backend module, as torch.py
+    raise ImportError(
+        "keras_perf.train_step.torch_traced is keras-perf's traced train step for the PyTorch "
+        f"backend; Keras runs on {keras.backend.backend()}. Set KERAS_BACKEND=torch to use it "
+        "(on TensorFlow and JAX the train step is already one compiled graph)."
+    )
+
+import torch  # noqa: E402
+from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
+
+from keras_perf._utils import KerasPerfWarning, metric_results_deferred, training_step  # noqa: E402
+from keras_perf.train_step._base import TrainStepBase  # noqa: E402
 
 __all__ = ["install_traced_step", "remove_traced_step", "traced_step_state"]
 
@@ -172,11 +182,6 @@ class _TracedStep:
         self.compile_config = getattr(model, "_compile_config", None)
         self.optimizer = model.optimizer
         self.lists_key = None
-
-    def __deepcopy__(self, memo):
-        # A deep copy of the model gets a fresh traced step of its own (graphs hold tensors).
-        new = _TracedStep(memo.get(id(self.model), self.model), self.inductor, self.installed)
-        return new
 
     # -- Keras' hooks ---------------------------------------------------------------------
     def make_train_function(self, force=False):

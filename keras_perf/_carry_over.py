@@ -39,7 +39,7 @@ def copy_layer_state(old, new) -> None:
 
 def keep_train_step(old, new):
     """`new` with `old`'s keras-perf train step and its settings (`microbatches`, `clipnorm`,
-    `remat` and `remat_threshold`, the loss-scale settings), when `old` has that step; else
+    `remat` and `remat_threshold`, `traced_step`, the loss-scale settings), when `old` has that step; else
     `new` as it is.
 
     Raises:
@@ -55,6 +55,7 @@ def keep_train_step(old, new):
         "clipnorm": old.clipnorm,
         "initial_scale": old.initial_scale,
         "dynamic_growth_steps": old.dynamic_growth_steps,
+        "traced_step": old.traced_step,
     }
     remat = (old.remat, old.remat_threshold)
     try:

@@ -28,7 +28,7 @@ import keras
 
 from keras_perf import _keras_internals as keras_internals
 from keras_perf import backend as _backend
-from keras_perf.train_step._base import check_clipnorm, check_microbatches
+from keras_perf.train_step._base import check_clipnorm, check_microbatches, check_traced_step
 from keras_perf.train_step._remat import check_remat, check_remat_names
 
 # The backend's train step, chosen once (as keras/src/models/model.py picks its Trainer).
@@ -77,6 +77,15 @@ class LossScaleTrainStep(TrainStep):
       (BatchNormalization, Dropout's seed, quantizers) is never recomputed, its stateless
       sublayers are: so the loss, gradients and moving statistics are those without remat.
       Changeable between fits (`model.remat = "full"`) and saved with the model.
+    - `traced_step` (PyTorch): each step runs as one aten graph traced once per input
+      signature (forward, backward, Keras' optimizer, metrics), which removes Keras' per-layer
+      Python; the same weights and logs as the eager step. `"inductor"` also compiles the
+      graph with `torch.compile`. A model the trace refuses (Python control flow on tensor
+      values, Dropout, loss scaling, `microbatches > 1`, `remat`) keeps the eager step, with
+      one `KerasPerfWarning` and the reason in
+      `keras_perf.train_step.torch_traced.traced_step_state(model)`. On TensorFlow and JAX
+      the step is already one compiled graph: the setting changes nothing there (a
+      `KerasPerfWarning` says so).
 
     The logs gain `grad_norm` (mean global norm of the unscaled gradients over this epoch's
     applied steps), `skipped_steps` (non-finite steps skipped this epoch) and, under float16,
@@ -106,8 +115,8 @@ class LossScaleTrainStep(TrainStep):
         TypeError: `microbatches` or `dynamic_growth_steps` is not an int; or, when the class
             is created, the mixin is listed after `keras.Model` in its bases.
         ValueError: `microbatches` < 1, `clipnorm` <= 0, `initial_scale` <= 0,
-            `dynamic_growth_steps` < 1, an unknown `remat` mode, or `remat_threshold` <= 0 or
-            without `remat="larger_than"`.
+            `dynamic_growth_steps` < 1, an unknown `remat` mode, `remat_threshold` <= 0 or
+            without `remat="larger_than"`, or `traced_step` not False, True or "inductor".
 
     Example:
         >>> import keras, keras_perf as kp, numpy as np
@@ -147,6 +156,7 @@ def loss_scaled(
     dynamic_growth_steps: int = 2000,
     remat=_KEEP,
     remat_threshold: float | None = None,
+    traced_step=_KEEP,
 ) -> keras.Model:
     """Give a Sequential or Functional model keras-perf's loss-scaling train step.
 
@@ -174,6 +184,10 @@ def loss_scaled(
         remat_threshold: Elements per example of a layer's output above which
             `"larger_than"` recomputes it. Defaults to `None` (1024, or the model's own
             threshold when `remat` is kept).
+        traced_step: `True` runs each step as one traced torch graph (PyTorch backend; see
+            `kp.LossScaleTrainStep`), `"inductor"` also compiles that graph with
+            `torch.compile`, `False` runs the eager step. Defaults to `"keep"`: `False`, or
+            the model's own setting if it already has the train step.
 
     Returns:
         A `keras.Model` (a `kp.LossScaledModel`) that trains with the train step and saves and
@@ -214,18 +228,23 @@ def loss_scaled(
         check_clipnorm(clipnorm)
         remat, remat_threshold = check_remat(remat, remat_threshold)
         check_remat_names(model, remat)
+        traced_step = model.traced_step if _kept(traced_step) else traced_step
+        check_traced_step(traced_step)
         model.microbatches, model.clipnorm = microbatches, clipnorm
         model.set_remat(remat, remat_threshold)
+        model.traced_step = traced_step
         return model
     microbatches = 1 if microbatches is None else microbatches
     clipnorm = None if isinstance(clipnorm, str) and clipnorm == _KEEP else clipnorm
     remat, remat_threshold = check_remat(None if _kept(remat) else remat, remat_threshold)
     check_remat_names(model, remat)
+    traced_step = False if _kept(traced_step) else traced_step
     settings = dict(
         microbatches=microbatches,
         clipnorm=clipnorm,
         remat=remat,
         remat_threshold=remat_threshold,
+        traced_step=traced_step,
     )
     if not isinstance(model, keras.Sequential) and not keras_internals.is_functional(model):
         raise TypeError(

@@ -20,6 +20,7 @@ import contextlib
 import copy
 import math
 import threading
+import warnings
 import weakref
 
 import keras
@@ -27,6 +28,7 @@ from keras import ops
 
 from keras_perf import _keras_internals as keras_internals
 from keras_perf._utils import (
+    KerasPerfWarning,
     all_finite,
     check_int,
     check_number,
@@ -53,6 +55,26 @@ def check_microbatches(value) -> int:
 
 def check_clipnorm(value):
     return check_number("clipnorm", value, low=0.0, low_inclusive=False, allow_none=True)
+
+
+TRACED_STEP_VALUES = (False, True, "inductor")
+
+
+def check_traced_step(value):
+    """Validate `traced_step`; on TensorFlow and JAX a `KerasPerfWarning` says it changes
+    nothing there (their train step is already one compiled graph)."""
+    if not any(value is v or (isinstance(v, str) and value == v) for v in TRACED_STEP_VALUES):
+        raise ValueError(f"`traced_step` must be False, True or 'inductor'; got {value!r}.")
+    if value is not False and keras.backend.backend() != "torch":
+        warnings.warn(
+            f"traced_step={value!r} applies to the PyTorch backend only: on "
+            f"{keras.backend.backend()} keras-perf's train step is already traced into one "
+            "compiled graph (tf.function / jax.jit), so the setting changes nothing here. It is "
+            "kept in the model's config for PyTorch.",
+            KerasPerfWarning,
+            stacklevel=3,
+        )
+    return value
 
 
 def _resolve(path, structure):
@@ -264,8 +286,10 @@ class TrainStepBase(RematSettings):
         clipnorm: float | None = None,
         initial_scale: float = 2.0**15,
         dynamic_growth_steps: int = 2000,
+        traced_step=False,
         **kwargs,
     ):
+        self._traced_step = check_traced_step(traced_step)
         self._microbatches = check_microbatches(microbatches)
         self._clipnorm = check_clipnorm(clipnorm)
         self.initial_scale = check_number(
@@ -301,6 +325,19 @@ class TrainStepBase(RematSettings):
         value = check_clipnorm(value)
         if value != self._clipnorm:
             self._clipnorm = value
+            self.train_function = None
+
+    @property
+    def traced_step(self):
+        """Whether the step runs traced (PyTorch): False, True or "inductor"; setting it
+        rebuilds the train function (see keras_perf/train_step/torch_traced.py)."""
+        return self._traced_step
+
+    @traced_step.setter
+    def traced_step(self, value) -> None:
+        value = check_traced_step(value)
+        if value is not self._traced_step and value != self._traced_step:
+            self._traced_step = value
             self.train_function = None
 
     # -- compile: wrap the optimizer for float16 -----------------------------------------
@@ -546,6 +583,7 @@ class TrainStepBase(RematSettings):
                 "clipnorm": self._clipnorm,
                 "initial_scale": self.initial_scale,
                 "dynamic_growth_steps": self.dynamic_growth_steps,
+                "traced_step": self._traced_step,
             }
         )
         return config

@@ -14,6 +14,7 @@ import keras
 import torch
 
 from keras_perf._utils import first_tensor, map_batch, metric_results_deferred, training_step
+from keras_perf.train_step import torch_traced
 from keras_perf.train_step._base import TrainStepBase
 
 
@@ -85,7 +86,19 @@ class TrainStep(TrainStepBase):
                     t.copy_(torch.where(finite, t, saved))
         self._kp_written = frozenset(written)
 
+    def make_train_function(self, force=False):
+        traced = self.__dict__.get("_kp_traced_step")
+        if traced is not None:
+            traced.lists_key = None  # the variables are read again at this fit's first step
+        return super().make_train_function(force)
+
     def train_step(self, data):
+        if self._traced_step is not False and "train_step" not in self.__dict__:
+            # `traced_step=True`: the step as one traced graph (torch_traced.py), unless the
+            # model fell back (the traced step then calls this step again, which runs below).
+            traced = torch_traced.traced_step_for(self, inductor=self._traced_step == "inductor")
+            if traced.reason is None:
+                return traced(data)
         with training_step():
             return self._kp_train_step(data)
 

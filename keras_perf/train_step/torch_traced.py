@@ -1,0 +1,455 @@
+"""keras-perf's traced train step on the PyTorch backend (`install_traced_step`).
+
+Keras' torch step runs every layer's Python on every batch (about 1.3 ms of a 1.8 ms MLP step
+on this project's CPU, /work/shared/FACTS.md). This module traces the whole step once per
+input signature (the shapes and dtypes of the batch: the short last batch is a second trace)
+into one aten graph with `torch.fx.experimental.proxy_tensor.make_fx` under fake tensors:
+
+- the forward pass as Keras' own step runs it (`model(x, training=True)` inside a
+  `keras.StatelessScope` that maps every variable to a graph input), the loss through the
+  model's `_compute_loss` (losses added in `call()` and regularisers included, as Keras' JAX
+  trainer collects them), the loss tracker and `compute_metrics`;
+- the gradients (`torch.autograd.grad` while tracing records the backward aten ops, so the
+  graph is forward and backward jointly and runs without autograd);
+- Keras' own optimizer `apply` (its learning-rate schedule, iterations, weight decay, EMA,
+  `clipnorm`/`clipvalue`): the torch optimizers' in-place `_foreach` kernels become in-place
+  ops on the graph's inputs, which are the Keras variables' own tensors;
+- the writes back: every variable the step assigned (optimizer iterations, metric totals,
+  BatchNormalization's moving statistics, a seed generator's state) is copied into the
+  variable's tensor at the end of the graph.
+
+So one call of the graph (with the variables' tensors and the batch) is one Keras step, with
+the same numbers: the weights, optimizer slots and metrics equal those of Keras' own step
+bit for bit where the same kernels run (tests compare within 1e-5).
+
+Tracing with fake tensors refuses what a graph cannot hold: Python control flow on a tensor's
+value (`if ops.sum(x) > 0`), `.item()`/`.numpy()` in `call`, a float16 `LossScaleOptimizer`
+(it branches on finiteness in Python), a seeded Dropout or other seeded random layer (Keras'
+torch RNG seeds a `torch.Generator` from the seed tensor's value). Such a model keeps Keras'
+own step (or keras-perf's), `traced_step_state(model)["reason"]` says why, and one
+`keras_perf.KerasPerfWarning` is given. An unseeded Dropout traces: it calls torch's own
+dropout, which draws from torch's global generator when the graph runs (the same masks as
+Keras' eager step under the same seed).
+
+On a `kp.LossScaleTrainStep` model the traced step is keras-perf's step with
+`microbatches=1`: `clipnorm` of the global gradient norm, the non-finite skip (the update
+selected with `torch.where`, no host synchronisation), `grad_norm`, `skipped_steps` and
+`loss_scale` in the logs. `microbatches > 1`, `remat` and loss scaling fall back to
+keras-perf's own step with the reason.
+
+`inductor=True` runs each traced graph through `torch.compile` (inductor): it fuses the
+elementwise work (Adam, metrics) into a few C++ kernels, which pays on an MLP, and costs
+seconds of compilation per input signature (see docs/accelerate.md for the measurements).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import keras
+
+if keras.backend.backend() != "torch":  # a train-step backend module, as torch.py
+    raise ImportError(
+        "keras_perf.train_step.torch_traced is keras-perf's traced train step for the PyTorch "
+        f"backend; Keras runs on {keras.backend.backend()}. Set KERAS_BACKEND=torch to use it "
+        "(on TensorFlow and JAX the train step is already one compiled graph)."
+    )
+
+import torch  # noqa: E402
+from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
+
+from keras_perf._utils import KerasPerfWarning, metric_results_deferred, training_step  # noqa: E402
+from keras_perf.train_step._base import TrainStepBase  # noqa: E402
+
+__all__ = ["install_traced_step", "remove_traced_step", "traced_step_state"]
+
+_ATTR = "_kp_traced_step"
+_NOOPS = (torch.ops.aten.detach.default, torch.ops.aten.lift_fresh_copy.default)
+
+
+def install_traced_step(model: keras.Model, *, inductor: bool = False) -> None:
+    """Make the next `model.fit` train with keras-perf's traced step (PyTorch backend).
+
+    In place: the same model keeps its weights, optimizer, loss, metrics and callbacks; only
+    how a step runs changes. `model.compile(...)` again returns it to Keras' own step; the
+    model's saved form does not change.
+
+    Args:
+        model: A compiled `keras.Model` (Sequential, Functional, subclassed, or a
+            `kp.LossScaleTrainStep` model).
+        inductor: Run the traced graphs through `torch.compile` (inductor). Defaults to
+            `False`.
+
+    Raises:
+        TypeError: `model` is not a Keras model.
+        ValueError: `model` is not compiled.
+
+    Example:
+        >>> import keras, numpy as np
+        >>> from keras_perf.train_step.torch_traced import install_traced_step
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        >>> model.compile("adam", "mse")
+        >>> install_traced_step(model)
+        >>> _ = model.fit(np.ones((8, 4)), np.ones((8, 2)), verbose=0)
+        >>> traced_step_state(model)["active"]
+        True
+    """
+    if not isinstance(model, keras.Model):
+        raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
+    if not getattr(model, "compiled", False) or getattr(model, "optimizer", None) is None:
+        raise ValueError(f"Model '{model.name}' is not compiled: call `model.compile(...)` first.")
+    if not isinstance(inductor, bool):
+        raise TypeError(f"`inductor` must be True or False, got {inductor!r}.")
+    remove_traced_step(model)
+    step = _TracedStep(model, inductor=inductor)
+    object.__setattr__(model, _ATTR, step)
+    object.__setattr__(model, "train_step", step)
+    object.__setattr__(model, "make_train_function", step.make_train_function)
+    model.train_function = None
+
+
+def remove_traced_step(model: keras.Model) -> None:
+    """Return `model` to Keras' own train step (or keras-perf's): the next `fit` runs it."""
+    _uninstall(model)
+    model.__dict__.pop(_ATTR, None)
+
+
+def _uninstall(model) -> None:
+    """Take the installed step's hooks off `model` (its state, with the reason, stays)."""
+    for name in ("train_step", "make_train_function"):
+        model.__dict__.pop(name, None)
+    model.train_function = None
+
+
+def traced_step_state(model: keras.Model) -> dict:
+    """Whether the traced step applies to `model`, and if not, why.
+
+    Returns:
+        `{"active": bool, "reason": None or str, "inductor": bool, "signatures": int}`:
+        `active` is True when the next step runs traced (after `install_traced_step` or
+        with `traced_step=True` on a `kp.LossScaleTrainStep` model, until it fell back or was
+        compiled again); `reason` says why it fell back (None if it did not);
+        `signatures` counts the input signatures traced so far.
+    """
+    step = model.__dict__.get(_ATTR)
+    if step is None:
+        setting = (
+            getattr(model, "traced_step", False) if isinstance(model, TrainStepBase) else False
+        )
+        return {
+            "active": setting is not False,
+            "reason": None,
+            "inductor": setting == "inductor",
+            "signatures": 0,
+        }
+    step.check_compiled()
+    return {
+        "active": step.reason is None and _installed(model, step),
+        "reason": step.reason,
+        "inductor": step.inductor,
+        "signatures": len(step.cache),
+    }
+
+
+def traced_step_for(model: keras.Model, inductor: bool = False) -> _TracedStep:
+    """The traced step of a `kp.LossScaleTrainStep` model with `traced_step=True` (made once)."""
+    step = model.__dict__.get(_ATTR)
+    if step is None or step.inductor != inductor or step.installed:
+        step = _TracedStep(model, inductor=inductor, installed=False)
+        object.__setattr__(model, _ATTR, step)
+    return step
+
+
+def _installed(model, step) -> bool:
+    if step.installed:
+        return model.__dict__.get("train_step") is step
+    return getattr(model, "traced_step", False) is not False
+
+
+class _Fallback(Exception):
+    """The model cannot use the traced step; the message says why."""
+
+
+class _TracedStep:
+    """The traced step of one model: its graphs per input signature, or why it fell back."""
+
+    def __init__(self, model, inductor=False, installed=True):
+        self.model = model
+        self.inductor = inductor
+        self.installed = installed
+        self.reason = None
+        self.cache = {}
+        self.compile_config = getattr(model, "_compile_config", None)
+        self.optimizer = model.optimizer
+        self.lists_key = None
+
+    # -- Keras' hooks ---------------------------------------------------------------------
+    def make_train_function(self, force=False):
+        """Keras' own `make_train_function` (fit calls it once per fit), never under
+        `torch.compile`: the step is already one graph."""
+        model = self.model
+        self.lists_key = None  # the variables are read again at this fit's first step
+        if not self.check_compiled():
+            return type(model).make_train_function(model, force)
+        jit = model.jit_compile
+        try:
+            model.jit_compile = False
+            return type(model).make_train_function(model, force)
+        finally:
+            model.jit_compile = jit
+
+    def check_compiled(self) -> bool:
+        """False (and the model back to Keras' own step) once the model was compiled again."""
+        model = self.model
+        if (
+            getattr(model, "_compile_config", None) is not self.compile_config
+            or model.optimizer is not self.optimizer
+        ) and (self.reason is None or not self.installed):
+            if not self.installed:  # the `traced_step` setting: it holds for the new compile
+                self.__init__(model, self.inductor, installed=False)
+                return True
+            self.reason = (
+                "the model was compiled again after the traced step was installed; it trains "
+                "with Keras' own step (install the traced step again to use it)"
+            )
+            if self.installed:
+                _uninstall(model)
+        return self.reason is None
+
+    def __call__(self, data):
+        model = self.model
+        if not self.check_compiled():
+            return type(model).train_step(model, data)
+        if self.reason is not None:
+            return self.plain(data)
+        flat, spec = torch.utils._pytree.tree_flatten(data)
+        if not all(isinstance(t, torch.Tensor) for t in flat):
+            return self.plain(data)
+        if self.lists_key is None:
+            self.variables = _state_variables(model)
+            self.lists_key = tuple(id(v) for v in self.variables)
+        key = (spec, self.lists_key, *((t.shape, t.dtype, t.device) for t in flat))
+        entry = self.cache.get(key)
+        if entry is None:
+            try:
+                entry = self.cache[key] = self.trace(spec, flat)
+            except _Fallback as e:
+                return self.fall_back(str(e), data)
+            except Exception as e:  # make_fx refuses what a graph cannot hold
+                return self.fall_back(
+                    f"tracing the step failed ({type(e).__name__}: {_first_line(e)})", data
+                )
+        graph, keys = entry
+        with torch.no_grad():
+            values = graph(*[v.value for v in self.variables], *flat)
+        return dict(zip(keys, values))
+
+    def plain(self, data):
+        return type(self.model).train_step(self.model, data)
+
+    def fall_back(self, reason, data):
+        self.reason = reason
+        self.cache.clear()
+        warnings.warn(
+            f"Model '{self.model.name}' cannot use keras-perf's traced train step: {reason}. It "
+            "trains with the model's own step; `traced_step_state(model)` keeps the reason.",
+            KerasPerfWarning,
+            stacklevel=3,
+        )
+        return self.plain(data)
+
+    # -- tracing --------------------------------------------------------------------------
+    def trace(self, spec, flat):
+        model = self.model
+        _check_supported(model)
+        variables = self.variables
+        tv = list(model.trainable_variables)
+        n_tv = len(tv)
+        log_keys = []
+        index = {id(v): i for i, v in enumerate(variables)}
+        kp_step = isinstance(model, TrainStepBase)
+
+        def step(*args):
+            state, tensors = list(args[: len(variables)]), list(args[len(variables) :])
+            data = torch.utils._pytree.tree_unflatten(tensors, spec)
+            x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+            batch = next(t for t in keras.tree.flatten(x) if t is not None).shape[0]
+            mapping = dict(zip(index, state))
+            with torch.enable_grad():
+                leaves = [state[i].detach().requires_grad_(True) for i in range(n_tv)]
+                scope_map = [(v, mapping[id(v)]) for v in variables]
+                scope_map[:n_tv] = [(v, t) for v, t in zip(tv, leaves)]
+                with keras.StatelessScope(state_mapping=scope_map, collect_losses=True) as fwd:
+                    kwargs = {"training": True} if model._call_has_training_arg else {}
+                    y_pred = model(x, **kwargs)
+                    losses = model.losses
+                    if losses:
+                        model._losses_override.clear()
+                        model._losses_override = losses
+                    try:
+                        loss = model._compute_loss(
+                            x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+                        )
+                    finally:
+                        if losses:
+                            model._losses_override.clear()
+                    if kp_step:
+                        model._kp_track_loss(loss, None, batch)
+                    else:
+                        model._loss_tracker.update_state(loss, sample_weight=batch)
+                    scaled = model.optimizer.scale_loss(loss)
+                grads = torch.autograd.grad(scaled, leaves, allow_unused=True)
+            grads = [None if g is None else g.detach() for g in grads]
+            after_fwd = [fwd.get_current_value(v) for v in variables]
+            after_fwd = [s if a is None else a for s, a in zip(state, after_fwd)]
+            _check_unmapped(fwd, index)
+            with torch.no_grad():
+                return _finish(grads, after_fwd, state, x, y, y_pred, sample_weight)
+
+        def _finish(grads, after_fwd, state, x, y, y_pred, sample_weight):
+            if kp_step:
+                new, logs = _kp_update(model, variables, state, after_fwd, grads, n_tv,
+                                       (x, y, y_pred, sample_weight))  # fmt: skip
+            else:
+                scope_map = [(v, t) for v, t in zip(variables, after_fwd)]
+                scope_map[:n_tv] = list(zip(tv, state[:n_tv]))
+                with keras.StatelessScope(state_mapping=scope_map) as upd:
+                    model.optimizer.apply(list(grads), tv)
+                    logs = model.compute_metrics(x, y, y_pred.detach(), sample_weight)
+                _check_unmapped(upd, index)
+                new = [upd.get_current_value(v) for v in variables]
+                new = [a if n is None else n for a, n in zip(after_fwd, new)]
+            for target, value in zip(state, new):
+                if value is not target:
+                    target.copy_(value)
+            log_keys[:] = list(logs)
+            return [logs[k] for k in log_keys]
+
+        values = [v.value for v in variables]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # make_fx's own deprecation notes
+            graph = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(*values, *flat)
+        _simplify(graph)
+        if self.inductor:
+            graph = torch.compile(graph, dynamic=False)
+        return graph, tuple(log_keys)
+
+
+def _first_line(e) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:200] if text else ""
+
+
+def _state_variables(model):
+    """Every variable a step reads or writes, trainable ones first (unique, in order)."""
+    seen, out = set(), []
+    lists = (
+        model.trainable_variables,
+        model.non_trainable_variables,
+        model.optimizer.variables,
+        model.metrics_variables,
+    )
+    for group in lists:
+        for v in group:
+            if id(v) not in seen:
+                seen.add(id(v))
+                out.append(v)
+    return out
+
+
+def _check_supported(model):
+    if isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
+        raise _Fallback(
+            "a LossScaleOptimizer (float16 loss scaling) decides in Python whether the "
+            "gradients are finite, which a traced graph cannot"
+        )
+    if isinstance(model, TrainStepBase):
+        if model.microbatches > 1:
+            raise _Fallback(
+                f"microbatches={model.microbatches} is not traced (only microbatches=1 is)"
+            )
+        if model.remat is not None:
+            raise _Fallback(
+                f"remat={model.remat!r} recomputes layers in the backward pass, which the "
+                "traced graph does not (it would keep every activation)"
+            )
+
+
+def _check_unmapped(scope, index):
+    other = [k for k in scope.state_mapping if k not in index]
+    if other:
+        raise _Fallback(
+            "the step assigns a variable that the model, its optimizer and its metrics do not track"
+        )
+
+
+def _kp_update(model, variables, state, after_fwd, grads, n_tv, batch):
+    """keras-perf's step (microbatches=1, no loss scaling) after the gradients: clip, skip
+    when not finite (selected with `torch.where`), step metrics and logs."""
+    x, y, y_pred, sample_weight = batch
+    tv = variables[:n_tv]
+    present = [g for g in grads if g is not None]
+    if present:
+        sum_sq = model._kp_sum_of_squares(present)
+        finite = torch.stack([torch.isfinite(g).all() for g in present]).all()
+        norm = torch.sqrt(sum_sq)
+        if model.clipnorm is not None:
+            clip = torch.tensor(model.clipnorm, dtype=torch.float32)
+            factor = clip / torch.maximum(norm, clip)
+            grads = [None if g is None else g * factor.to(g.dtype) for g in grads]
+    else:
+        finite, norm = torch.ones((), dtype=torch.bool), torch.zeros(())
+    # The optimizer writes in place: give it copies, so a skipped step keeps the old values.
+    opt_vars = {id(v) for v in model.optimizer.variables}
+    work = [t.clone() if i < n_tv or id(v) in opt_vars else t
+            for i, (v, t) in enumerate(zip(variables, after_fwd))]  # fmt: skip
+    with keras.StatelessScope(state_mapping=list(zip(variables, work))) as upd:
+        model.optimizer.apply(list(grads), tv)
+    applied = [upd.get_current_value(v) for v in variables]
+    applied = [w if a is None else a for w, a in zip(work, applied)]
+    restore_ntv = dict(zip(map(id, model.non_trainable_variables), model._kp_restored_on_skip()))
+    restore_metric = dict(
+        zip(map(id, model.metrics_variables), model._kp_metrics_restored_on_skip())
+    )
+    new = []
+    for v, old, fwd, app in zip(variables, state, after_fwd, applied):
+        if id(v) in opt_vars or any(v is t for t in tv):
+            new.append(torch.where(finite, app, old))
+        elif restore_ntv.get(id(v)) or restore_metric.get(id(v)):
+            new.append(fwd if fwd is old else torch.where(finite, fwd, old))
+        else:
+            new.append(fwd)
+    # Metrics and logs, in a scope holding the chosen values.
+    with keras.StatelessScope(state_mapping=list(zip(variables, new))) as met:
+        with training_step():
+            with metric_results_deferred():
+                model.compute_metrics(x, y, y_pred.detach(), sample_weight)
+            model._kp_update_step_metrics(norm, finite)
+            logs = model.get_metrics_result()
+    final = [met.get_current_value(v) for v in variables]
+    final = [n if f is None else f for n, f in zip(new, final)]
+    logs = dict(logs)
+    logs["loss_scale"] = torch.ones(())
+    return final, logs
+
+
+def _simplify(graph) -> None:
+    """Drop the nodes that do nothing at run time (detach, copies of constants)."""
+    for node in list(graph.graph.nodes):
+        if (
+            node.op == "call_function"
+            and node.target in _NOOPS
+            and not any(_writes(user) for user in node.users)
+        ):
+            node.replace_all_uses_with(node.args[0])
+            graph.graph.erase_node(node)
+    graph.graph.eliminate_dead_code()
+    graph.recompile()
+
+
+def _writes(node) -> bool:
+    """Whether `node` is an op that writes one of its arguments in place."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return node.op != "output"
+    return any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)

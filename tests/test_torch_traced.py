@@ -1,0 +1,391 @@
+"""keras-perf's traced train step on torch (keras_perf/train_step/torch_traced.py) and the
+`traced_step` setting of the train step on every backend."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+import keras_perf as kp
+
+torch_only = pytest.mark.backends("torch")
+N, BATCH = 100, 32  # a short last batch of 4: a second input signature
+
+
+def _traced():
+    from keras_perf.train_step import torch_traced
+
+    return torch_traced
+
+
+def _data(shape, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(N, *shape)).astype("float32"), rng.integers(0, 3, N)
+
+
+def _mlp():
+    return keras.Sequential(
+        [keras.Input((6,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)]
+    )
+
+
+def _cnn():
+    L = keras.layers
+    return keras.Sequential(
+        [
+            keras.Input((8, 8, 1)),
+            L.Conv2D(4, 3, use_bias=False),
+            L.BatchNormalization(),
+            L.ReLU(),
+            L.MaxPooling2D(),
+            L.Flatten(),
+            L.Dense(3),
+        ]
+    )
+
+
+class _Sub(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.hidden = keras.layers.Dense(8, activation="tanh")
+        self.out = keras.layers.Dense(3)
+
+    def call(self, x, training=False):
+        return self.out(self.hidden(x) * 2.0)
+
+
+class _Branchy(keras.Model):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.a = keras.layers.Dense(3)
+
+    def call(self, x):
+        h = self.a(x)
+        if keras.ops.convert_to_numpy(keras.ops.sum(x)) > 0:  # control flow on a value
+            return h * 2.0
+        return h
+
+
+def _compiled(make, metrics=("accuracy",), optimizer=None, seed=1):
+    keras.utils.set_random_seed(seed)
+    model = make()
+    model.compile(
+        optimizer or keras.optimizers.Adam(1e-2),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=list(metrics),
+    )
+    return model
+
+
+def _pair(make, x, y, epochs=2, install=True, **compile_kw):
+    """(plain history, traced history, plain model, traced model) after the same fits."""
+    plain, traced = _compiled(make, **compile_kw), _compiled(make, **compile_kw)
+    if install:
+        _traced().install_traced_step(traced)
+    h1 = plain.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
+    h2 = traced.fit(x, y, batch_size=BATCH, epochs=epochs, shuffle=False, verbose=0)
+    return h1.history, h2.history, plain, traced
+
+
+def _close(a, b, atol=1e-5):
+    for u, v in zip(keras.tree.flatten(a), keras.tree.flatten(b)):
+        np.testing.assert_allclose(np.asarray(u), np.asarray(v), atol=atol, rtol=1e-5)
+
+
+def _same(h1, h2, m1, m2, atol=1e-5):
+    assert h1.keys() == h2.keys()
+    for k in h1:
+        np.testing.assert_allclose(h1[k], h2[k], atol=atol, rtol=1e-5, err_msg=k)
+    _close(m1.get_weights(), m2.get_weights(), atol)
+    _close([v.numpy() for v in m1.optimizer.variables], [v.numpy() for v in m2.optimizer.variables])
+
+
+@torch_only
+def test_sequential_mlp_matches_keras_fit_with_a_short_last_batch():
+    x, y = _data((6,))
+    h1, h2, m1, m2 = _pair(_mlp, x, y)
+    _same(h1, h2, m1, m2)
+    state = _traced().traced_step_state(m2)
+    assert state["active"] and state["reason"] is None
+    assert state["signatures"] == 2  # the full batches and the short last one
+
+
+@torch_only
+@pytest.mark.slow
+def test_cnn_with_batchnorm_matches_keras_fit_moving_statistics_included():
+    x, y = _data((8, 8, 1))
+    h1, h2, m1, m2 = _pair(_cnn, x, y)
+    _same(h1, h2, m1, m2)
+    bn1, bn2 = m1.layers[1], m2.layers[1]
+    assert not np.allclose(bn2.moving_mean.numpy(), 0.0)  # the step wrote them back
+    _close(bn1.non_trainable_weights, bn2.non_trainable_weights)
+    _close(m1.predict(x, verbose=0), m2.predict(x, verbose=0))
+
+
+@torch_only
+def test_functional_dict_input_model_matches_keras_fit():
+    def make():
+        a, b = keras.Input((4,), name="a"), keras.Input((2,), name="b")
+        h = keras.layers.Concatenate()([keras.layers.Dense(8, activation="relu")(a), b])
+        return keras.Model({"a": a, "b": b}, keras.layers.Dense(3)(h))
+
+    rng = np.random.default_rng(0)
+    x = {"a": rng.normal(size=(N, 4)).astype("float32"), "b": rng.normal(size=(N, 2))}
+    x["b"] = x["b"].astype("float32")
+    y = rng.integers(0, 3, N)
+    _same(*_pair(make, x, y))
+
+
+@torch_only
+def test_subclassed_model_matches_keras_fit():
+    x, y = _data((6,))
+    _same(*_pair(_Sub, x, y))
+
+
+@torch_only
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["lstm", "attention", "embedding"])
+def test_sequence_models_match_keras_fit(kind):
+    L = keras.layers
+    rng = np.random.default_rng(0)
+    if kind == "embedding":
+        x = rng.integers(0, 20, (N, 5))
+
+        def make():
+            return keras.Sequential(
+                [keras.Input((5,), dtype="int32"), L.Embedding(20, 4), L.Flatten(), L.Dense(3)]
+            )
+    else:
+        x = rng.normal(size=(N, 5, 4)).astype("float32")
+
+        def make():
+            inp = keras.Input((5, 4))
+            if kind == "lstm":
+                h = L.LSTM(6)(inp)
+            else:
+                h = L.GlobalAveragePooling1D()(L.MultiHeadAttention(2, 4)(inp, inp))
+            return keras.Model(inp, L.Dense(3)(h))
+
+    y = rng.integers(0, 3, N)
+    _same(*_pair(make, x, y))
+
+
+@torch_only
+@pytest.mark.slow
+def test_sgd_with_momentum_and_a_schedule_and_regularisers_match():
+    def make():
+        return keras.Sequential(
+            [
+                keras.Input((6,)),
+                keras.layers.Dense(8, kernel_regularizer="l2", activity_regularizer="l1"),
+                keras.layers.Dense(3),
+            ]
+        )
+
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, 3, 0.5)
+    opt = keras.optimizers.SGD(schedule, momentum=0.9, clipnorm=1.0)
+    x, y = _data((6,))
+    plain, traced = (
+        _compiled(make, optimizer=opt),
+        _compiled(make, optimizer=keras.optimizers.SGD(schedule, momentum=0.9, clipnorm=1.0)),
+    )
+    _traced().install_traced_step(traced)
+    h1 = plain.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0).history
+    h2 = traced.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0).history
+    _same(h1, h2, plain, traced)
+
+
+@torch_only
+def test_a_model_with_control_flow_on_values_falls_back_with_the_reason():
+    x, y = _data((6,))
+    plain, traced = _compiled(_Branchy), _compiled(_Branchy)
+    _traced().install_traced_step(traced)
+    h1 = plain.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0).history
+    with pytest.warns(kp.KerasPerfWarning, match="cannot use keras-perf's traced train step"):
+        h2 = traced.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0).history
+    state = _traced().traced_step_state(traced)
+    assert not state["active"] and "tracing the step failed" in state["reason"]
+    _same(h1, h2, plain, traced)  # Keras' own step trained it
+
+
+@torch_only
+def test_unseeded_dropout_draws_from_torch_and_matches_keras_fit_under_the_same_seed():
+    # Keras' unseeded Dropout calls torch's own dropout (torch's global generator); the
+    # traced graph draws from it at run time, the same masks in the same order.
+    def make():
+        return keras.Sequential(
+            [keras.Input((6,)), keras.layers.Dense(16), keras.layers.Dropout(0.5),
+             keras.layers.Dense(3)]
+        )  # fmt: skip
+
+    x, y = _data((6,))
+    plain, traced = _compiled(make), _compiled(make)
+    _traced().install_traced_step(traced)
+    keras.utils.set_random_seed(7)
+    h1 = plain.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0).history
+    keras.utils.set_random_seed(7)
+    h2 = traced.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0).history
+    assert _traced().traced_step_state(traced)["active"]
+    _same(h1, h2, plain, traced)
+
+
+@torch_only
+def test_seeded_dropout_falls_back_with_the_reason():
+    # A seeded Dropout seeds a torch.Generator from its seed tensor's value (Keras' torch
+    # random), which a traced graph cannot do.
+    def make():
+        return keras.Sequential(
+            [keras.Input((6,)), keras.layers.Dropout(0.5, seed=3), keras.layers.Dense(3)]
+        )
+
+    x, y = _data((6,))
+    model = _compiled(make)
+    _traced().install_traced_step(model)
+    with pytest.warns(kp.KerasPerfWarning, match="tracing the step failed"):
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    assert not _traced().traced_step_state(model)["active"]
+
+
+@torch_only
+def test_compiling_again_returns_the_model_to_keras_own_step():
+    x, y = _data((6,))
+    model = _compiled(_mlp)
+    _traced().install_traced_step(model)
+    model.fit(x, y, batch_size=BATCH, verbose=0)
+    assert _traced().traced_step_state(model)["active"]
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    state = _traced().traced_step_state(model)
+    assert not state["active"] and "compiled again" in state["reason"]
+    assert "train_step" not in model.__dict__
+    model.fit(x, y, batch_size=BATCH, verbose=0)  # plain Keras, no warning
+    _traced().remove_traced_step(model)
+    assert _traced().traced_step_state(model) == {
+        "active": False, "reason": None, "inductor": False, "signatures": 0
+    }  # fmt: skip
+
+
+@torch_only
+def test_save_and_load_after_install(tmp_path):
+    x, y = _data((6,))
+    model = _compiled(_mlp)
+    _traced().install_traced_step(model)
+    model.fit(x, y, batch_size=BATCH, verbose=0)
+    model.save(tmp_path / "m.keras")
+    loaded = keras.saving.load_model(tmp_path / "m.keras")
+    assert "train_step" not in loaded.__dict__
+    _close(model.predict(x, verbose=0), loaded.predict(x, verbose=0))
+    _close([v.numpy() for v in model.optimizer.variables], [v.numpy() for v in loaded.optimizer.variables])  # fmt: skip
+    loaded.fit(x, y, batch_size=BATCH, verbose=0)
+
+
+@torch_only
+def test_callbacks_see_the_same_logs():
+    class Record(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.batch_logs, self.epoch_logs = [], []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.batch_logs.append({k: float(v) for k, v in logs.items()})
+
+        def on_epoch_end(self, epoch, logs=None):
+            self.epoch_logs.append(dict(logs))
+
+    x, y = _data((6,))
+    runs = []
+    for install in (False, True):
+        model = _compiled(_mlp)
+        if install:
+            _traced().install_traced_step(model)
+        record = Record()
+        stop = keras.callbacks.EarlyStopping("loss", patience=0, min_delta=10.0)
+        model.fit(x, y, batch_size=BATCH, epochs=5, shuffle=False, verbose=0,
+                  callbacks=[record, stop])  # fmt: skip
+        runs.append((record, stop.stopped_epoch))
+    (a, stop_a), (b, stop_b) = runs
+    assert stop_a == stop_b == 1
+    assert len(a.batch_logs) == len(b.batch_logs) == 8
+    for u, v in zip(a.batch_logs + a.epoch_logs, b.batch_logs + b.epoch_logs):
+        assert u.keys() == v.keys()
+        np.testing.assert_allclose(list(u.values()), list(v.values()), rtol=1e-5, atol=1e-6)
+
+
+@torch_only
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="`model` must be a keras.Model"):
+        _traced().install_traced_step("model")
+    with pytest.raises(ValueError, match="not compiled"):
+        _traced().install_traced_step(_mlp())
+
+
+# -- the `traced_step` setting of keras-perf's train step ----------------------------------
+
+
+@torch_only
+@pytest.mark.parametrize("clipnorm", [None, 0.5])
+def test_loss_scaled_traced_step_matches_the_eager_step(clipnorm):
+    x, y = _data((6,))
+    runs = []
+    for traced in (False, True):
+        keras.utils.set_random_seed(1)
+        model = kp.loss_scaled(_mlp(), clipnorm=clipnorm, traced_step=traced)
+        model.compile(
+            keras.optimizers.Adam(1e-2),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+        h = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0).history
+        runs.append((h, model))
+    (h1, m1), (h2, m2) = runs
+    _same(h1, h2, m1, m2)
+    assert {"grad_norm", "skipped_steps", "loss_scale"} <= h2.keys()
+    assert _traced().traced_step_state(m2)["active"]
+    assert m2.get_config()["traced_step"] is True
+
+
+@torch_only
+def test_loss_scaled_traced_step_skips_a_non_finite_step_as_the_eager_step():
+    x, y = _data((6,))
+    x[40] = np.inf  # in the second batch
+    runs = []
+    for traced in (False, True):
+        keras.utils.set_random_seed(1)
+        model = kp.loss_scaled(_cnn_free_mlp(), clipnorm=1.0, traced_step=traced)
+        model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        h = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history
+        runs.append((h, model))
+    (h1, m1), (h2, m2) = runs
+    assert h1["skipped_steps"] == h2["skipped_steps"] == [1]
+    _same(h1, h2, m1, m2)
+
+
+def _cnn_free_mlp():
+    return keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+
+
+@torch_only
+def test_loss_scaled_microbatches_fall_back_with_the_reason():
+    x, y = _data((6,))
+    model = kp.loss_scaled(_mlp(), microbatches=2, traced_step=True)
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.warns(kp.KerasPerfWarning, match="microbatches=2"):
+        model.fit(x, y, batch_size=BATCH, verbose=0)
+    assert "microbatches=2" in _traced().traced_step_state(model)["reason"]
+
+
+def test_traced_step_setting_is_saved_and_validated():
+    with pytest.raises(ValueError, match="`traced_step` must be False, True or 'inductor'"):
+        kp.loss_scaled(_mlp(), traced_step="yes")
+    model = kp.loss_scaled(_mlp())
+    assert model.traced_step is False and model.get_config()["traced_step"] is False
+
+
+@pytest.mark.backends("tensorflow", "jax")
+def test_traced_step_on_tensorflow_and_jax_warns_that_it_changes_nothing():
+    x, y = _data((6,))
+    with pytest.warns(kp.KerasPerfWarning, match="applies to the PyTorch backend only"):
+        model = kp.loss_scaled(_mlp(), traced_step=True)
+    assert model.get_config()["traced_step"] is True
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=BATCH, verbose=0)

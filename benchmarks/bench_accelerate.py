@@ -175,11 +175,11 @@ def measure(name, build, n, batch, max_seconds, repeats, rows):
 
 def main() -> None:
     args = _harness.parse_args(__doc__.splitlines()[0])
-    n = 2048 if args.quick else 8192
-    repeats = 3 if args.quick else 5
-    max_seconds = 2 if args.quick else 30  # --quick: a smoke run inside bench.QUICK_BUDGET_S
+    n = 512 if args.smoke else 2048 if args.quick else 8192
+    repeats = 1 if args.smoke else 3 if args.quick else 5
+    max_seconds = 1 if args.smoke else 2 if args.quick else 30  # --quick: a short run
     rows: list[dict] = []
-    names = QUICK if args.quick else tuple(ZOO)
+    names = QUICK[:1] if args.smoke else QUICK if args.quick else tuple(ZOO)
     for name in names:
         measure(name, ZOO[name], n, 64, max_seconds, repeats, rows)
     _harness.finish(rows, args)

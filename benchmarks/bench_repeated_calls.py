@@ -13,7 +13,7 @@ Each call is kept short (`diagnose`: 5 steps, `max_seconds=1`, no what-ifs unles
 `inference_report`: Keras' own format alone, batch 1, 3 repeats).
 
 Run: `python -m benchmarks.bench_repeated_calls [--quick] [--tools a,b] [--calls N]
-[--json out.json]`. `--quick` runs 12 calls (the growth then from call 6 to 12).
+[--json out.json]`. `--quick` runs 12 calls (the growth then from call 6 to 12), `--smoke` 4.
 """
 
 from __future__ import annotations
@@ -113,13 +113,13 @@ def main() -> None:
     from . import _harness
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true")
+    _harness.add_mode_flags(p)
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--tools", default=",".join(TOOLS))
     p.add_argument("--calls", type=int, default=None)
     p.add_argument("--what-if", action="store_true")
-    args = p.parse_args()
-    calls = args.calls or (12 if args.quick else 20)
+    args = _harness.resolve_modes(p.parse_args())
+    calls = args.calls or (4 if args.smoke else 12 if args.quick else 20)
     rows = []
     for tool in args.tools.split(","):
         m = measure(tool, calls, args.what_if)

@@ -35,7 +35,7 @@ def test_config_saved_before_the_move_deserializes(cls):
     assert {k: config[k] for k in entry["config"]} == entry["config"]
     assert {k: v for k, v in config.items() if k not in entry["config"]} in (
         {},
-        {"remat": None, "remat_threshold": None},
+        {"remat": None, "remat_threshold": None, "traced_step": False},
     )
 
 

@@ -8,12 +8,13 @@ settings), `_apply` (in place on the user's model) and `_report` (the table and 
 from __future__ import annotations
 
 import time
+import warnings
 
 import keras
 import numpy as np
 
 from keras_perf._data_checks import check_fit_data, check_no_ignored_settings
-from keras_perf._utils import check_bool, check_int, check_number
+from keras_perf._utils import KerasPerfWarning, check_bool, check_int, check_number
 from keras_perf.acceleration import _apply, _candidates, _exact, _measure
 from keras_perf.acceleration._report import Acceleration
 from keras_perf.diagnosis import _data
@@ -169,7 +170,11 @@ def _entry(ctx, candidate, fit_kwargs, rows_out):
         if candidate.batch_size != ctx.batch_size:
             steps = max(ctx.steps // 2, 1)
         entry = _measure.Entry(candidate, twin, fit_kwargs, steps)
-        _measure.warm_up(entry)
+        with warnings.catch_warnings():
+            # The traced step's fallback warning is about a twin: the row says it instead.
+            warnings.simplefilter("ignore", KerasPerfWarning)
+            _measure.warm_up(entry)
+        _apply.check_traced(twin, candidate.settings)
         return entry
     except _apply.Unavailable as e:
         rows_out.append(_row(candidate, None, None, None, note=str(e)))

@@ -13,6 +13,10 @@ it: the model is plain Keras again.
 
 from __future__ import annotations
 
+import warnings
+
+from keras_perf._utils import KerasPerfWarning
+
 COMPILE_SETTINGS = ("jit_compile", "steps_per_execution")
 # Settings `accelerate` can apply; the others (dtype_policy, batch_size) are the user's to make.
 KNOWN = COMPILE_SETTINGS + ("traced_step",)
@@ -38,12 +42,26 @@ def torch_traced():
     return module
 
 
-def install_traced(model) -> None:
+def install_traced(model, mode=True) -> None:
+    """Install keras-perf's traced step (`mode` "inductor": through torch.compile)."""
     module = torch_traced()
     if module is None:
         raise Unavailable(NOT_AVAILABLE)
-    module.install_traced_step(model)
+    with warnings.catch_warnings():
+        # A fallback known at once (say, micro-batches) is this candidate's row note.
+        warnings.simplefilter("ignore", KerasPerfWarning)
+        module.install_traced_step(model, inductor=(mode == "inductor"))
     state = module.traced_step_state(model)
+    if not state.get("active"):
+        raise Unavailable(f"keras-perf's traced step fell back: {state.get('reason')}")
+
+
+def check_traced(model, settings) -> None:
+    """Raise `Unavailable` with the reason where keras-perf's traced step, asked for in
+    `settings`, fell back to the model's own step (found at the first step it traced)."""
+    if not settings.get("traced_step"):
+        return
+    state = torch_traced().traced_step_state(model)
     if not state.get("active"):
         raise Unavailable(f"keras-perf's traced step fell back: {state.get('reason')}")
 
@@ -63,4 +81,4 @@ def apply(model, settings) -> None:
     model.test_function = None
     model.predict_function = None
     if settings.get("traced_step"):
-        install_traced(model)
+        install_traced(model, settings["traced_step"])

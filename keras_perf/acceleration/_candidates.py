@@ -71,7 +71,7 @@ def settings_twin(ctx, settings):
     def make():
         twin = base()
         if settings.get("traced_step"):
-            _apply.install_traced(twin)
+            _apply.install_traced(twin, settings["traced_step"])
         return twin
 
     return make
@@ -158,7 +158,24 @@ def _torch_traced(ctx, notes):
         )
     if module.traced_step_state(ctx.model).get("active"):
         return None
-    return single(ctx, {"traced_step": True})
+    found = [single(ctx, {"traced_step": True})]
+    if ctx.compile_args.get("run_eagerly"):
+        return found
+    if ctx.max_seconds < TORCH_COMPILE_MIN_SECONDS:
+        notes.append(
+            f'traced_step="inductor" not tried: with max_seconds below '
+            f"{TORCH_COMPILE_MIN_SECONDS} inductor's compile of the traced step (seconds per "
+            "input signature on a CPU, twice: timing and exactness) would dwarf the measurement."
+        )
+        return found
+    found.append(
+        single(
+            ctx,
+            {"traced_step": "inductor"},
+            note="the traced step through torch.compile (inductor): compiles once per batch shape",
+        )
+    )
+    return found
 
 
 def _missing():

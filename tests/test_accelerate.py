@@ -362,10 +362,10 @@ def test_monitor_early_stopping_and_distillation_after_accelerate():
     assert np.isfinite(h.history["loss"]).all()
 
 
-def test_traced_step_candidate_when_the_module_is_there():
-    torch_traced = pytest.importorskip("keras_perf.train_step.torch_traced")
-    if BACKEND != "torch":
-        pytest.skip("keras-perf's traced step is a torch train step")
+@pytest.mark.backends("torch")
+def test_traced_step_candidate_is_measured_and_leaves_the_model_alone():
+    from keras_perf.train_step import torch_traced
+
     model = _mlp()
     x, y = _data()
     r = kp.accelerate(model, x, y, batch_size=32, max_seconds=1, apply=False)
@@ -376,7 +376,6 @@ def test_traced_step_candidate_when_the_module_is_there():
 
 @pytest.mark.backends("torch")
 def test_a_model_the_traced_step_cannot_trace_falls_back_and_says_why():
-    pytest.importorskip("keras_perf.train_step.torch_traced")
 
     class Branchy(keras.Model):
         def __init__(self, **kwargs):

@@ -399,13 +399,9 @@ def test_demo_quick_shows_every_lever_on_jax_and_torch(tmp_path, capsys):
     _check_quick_demo(out, capsys.readouterr().out)
 
 
-def test_demo_training_speed_row_uses_accelerate_when_present(tmp_path):
-    """The row against API.md §14 (`kp.accelerate` is built on another branch): skipped
-    where this build lacks it."""
-    import keras_perf as kp
-
-    if getattr(kp, "accelerate", None) is None:
-        pytest.skip("kp.accelerate not available in this build")
+@pytest.mark.slow  # 24 s; the default tier's --quick demo test runs the same row
+def test_demo_training_speed_row_uses_accelerate(tmp_path):
+    """The speed row measures plain `fit` against `fit` after the real `kp.accelerate`."""
     from keras_perf.data import load_digits_split
     from keras_perf.demo import _levers
     from keras_perf.demo._common import Demo, Settings

@@ -372,6 +372,8 @@ def _check_quick_demo(out, printed):
     if getattr(kp, "accelerate", None) is None:
         assert speed["note"] == "kp.accelerate not available in this build"
         assert speed["with"] is None and speed["gain"] is None
+    else:  # fit after kp.accelerate, measured, with accelerate's own figure beside it
+        assert speed["with"] > 0 and "accelerate's own measure" in speed["note"], speed
     rows = {r["model"]: r for r in report["rows"]}
     assert rows["teacher"]["params"] > 10 * rows["student distilled"]["params"]
     pruned = rows["teacher pruned 85%"]

@@ -839,29 +839,3 @@ def test_whole_epoch_timing_counts_what_a_fit_pays_after_its_epochs(digits):
     seconds = _measure.epoch_seconds(model, None, epochs=3, x=x[:64], y=y[:64], batch_size=16)
     assert seconds >= 0.3, seconds  # a third of the 0.9 s wrap-up, in each of the 3 epochs
     assert _measure.epoch_seconds(model, time.perf_counter() - 1, x=x[:64], y=y[:64]) is None
-
-
-# The bound docs/diagnose.md states: over calls 10 to 20 of one tool on one small model, the
-# process's resident memory grows by less than this (measured 2026-11-28: at most 0.4 MiB, on
-# every backend, except the TensorFlow cases below).
-REPEATED_CALLS_GROWTH_MIB = 5.0
-
-
-@pytest.mark.parametrize(
-    "tool", ["find_learning_rate", "find_max_batch_size", "diagnose", "inference_report"]
-)
-def test_repeated_calls_level_off_in_memory(tool):
-    """Issue 41 (memory over repeated use): 20 calls of each tool in one process, the user's
-    model alive throughout (no `clear_session`): RSS grows by less than the stated bound from
-    call 10 to call 20 (`benchmarks/bench_repeated_calls.py`)."""
-    if tool in ("find_max_batch_size", "diagnose") and BACKEND == "tensorflow":
-        pytest.xfail(
-            "known, not fixed yet: on TensorFlow each call grows RSS by 5-6 MiB (measured "
-            "6.2 find_max_batch_size, 5.5 diagnose); the twins are released (weakrefs dead), "
-            "the growth is in TensorFlow's runtime, one traced train function per twin"
-        )
-    from benchmarks.bench_repeated_calls import measure
-
-    m = measure(tool, calls=20)
-    assert m["model_alive"]
-    assert m["growth_mib"] < REPEATED_CALLS_GROWTH_MIB, m

@@ -68,8 +68,12 @@ def applied(change: str, model_fn, data: dict):
     if change.startswith("steps_per_execution="):
         k = int(change.split("=")[1])
         model.compile(model.optimizer, model.loss, steps_per_execution=k)
-    elif change == "jit_compile=True":
+    elif change in ("jit_compile=True", "jit_compile=True (torch.compile)"):
         model.compile(model.optimizer, model.loss, jit_compile=True)
+    elif change == "keras-perf traced step (torch)":
+        from keras_perf.train_step import torch_traced
+
+        torch_traced.install_traced_step(model)
     elif change.startswith("batch_size=") and "micro-batched (microbatches=" in change:
         data["batch_size"] = int(change.split(",")[0].split("=")[1])
         k = int(change.rsplit("=", 1)[1].rstrip(")"))

@@ -337,6 +337,10 @@ def test_loss_scaled_model_keeps_its_settings():
     x, y = _data()
     r = kp.accelerate(model, x, y, batch_size=32, max_seconds=1)
     assert model.microbatches == 2 and model.clipnorm == 1.0
+    if BACKEND == "torch":  # the traced step covers microbatches=1 only: the row says so
+        row = next(row for row in r.rows if row["settings"] == {"traced_step": True})
+        assert not row["chosen"] and "microbatches=2" in row["note"], row
+        assert "traced_step" not in r.chosen
     h = model.fit(x, y, batch_size=32, epochs=1, verbose=0)
     assert np.isfinite(h.history["loss"]).all()
     assert isinstance(r.chosen, dict)

@@ -158,6 +158,16 @@ def _torch_traced(ctx, notes):
         )
     if module.traced_step_state(ctx.model).get("active"):
         return None
+    # The twins are clones (a `kp.loss_scaled` model's clone may not keep its settings): what
+    # the user's own model would fall back on is read from the model itself.
+    reason = module.traced_step_unsupported(ctx.model)
+    if reason is not None:
+        return Candidate(
+            "traced_step=True",
+            {"traced_step": True},
+            _unavailable(f"keras-perf's traced step would fall back: {reason}"),
+            ctx.batch_size,
+        )
     found = [single(ctx, {"traced_step": True})]
     if ctx.compile_args.get("run_eagerly"):
         return found
@@ -180,6 +190,13 @@ def _torch_traced(ctx, notes):
 
 def _missing():
     raise Unavailable(NOT_AVAILABLE)
+
+
+def _unavailable(reason):
+    def make():
+        raise Unavailable(reason)
+
+    return make
 
 
 def _cuda_notes(ctx, notes):

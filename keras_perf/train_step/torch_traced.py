@@ -61,7 +61,12 @@ from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 from keras_perf._utils import KerasPerfWarning, metric_results_deferred, training_step  # noqa: E402
 from keras_perf.train_step._base import TrainStepBase  # noqa: E402
 
-__all__ = ["install_traced_step", "remove_traced_step", "traced_step_state"]
+__all__ = [
+    "install_traced_step",
+    "remove_traced_step",
+    "traced_step_state",
+    "traced_step_unsupported",
+]
 
 _ATTR = "_kp_traced_step"
 _NOOPS = (torch.ops.aten.detach.default, torch.ops.aten.lift_fresh_copy.default)
@@ -355,6 +360,24 @@ def _state_variables(model):
                 seen.add(id(v))
                 out.append(v)
     return out
+
+
+def traced_step_unsupported(model: keras.Model) -> str | None:
+    """Why keras-perf's traced step would fall back on `model` as it is set up now (known
+    before any step: float16 loss scaling, `microbatches > 1`, `remat`), or None. What only
+    tracing finds out (Python control flow on tensor values) shows at the first step.
+
+    Args:
+        model: A compiled `keras.Model`.
+
+    Returns:
+        The reason as a sentence, or None.
+    """
+    try:
+        _check_supported(model)
+    except _Fallback as e:
+        return str(e)
+    return None
 
 
 def _check_supported(model):

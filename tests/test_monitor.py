@@ -405,8 +405,10 @@ def test_tensorflow_peak_is_the_epochs_own_over_repeated_fits():
     )
     first, micro, again, third = tensorflow_with_bfc(code)
     weights = 64 * 256 + 2 * 256 * 256 + 256 * 10
-    # Each earlier model left about 3 x its weights behind (weights and two Adam slots).
-    assert abs(third - first) < 0.1 * first and abs(again - first) < 0.1 * first
+    # Each earlier model left about 3 x its weights behind (weights and two Adam slots: 2.6 MB,
+    # half the figure), which the figure must not count. Fresh identical models measured
+    # 5.24 / 4.47 / 5.00 MB in one run (the allocator's reuse varies by up to 15 %).
+    assert abs(third - first) < 0.25 * first and abs(again - first) < 0.25 * first
     assert first - micro >= 0.5 * 192 * 3 * 256 * 4  # 3/4 of the batch's activations, at least half
     assert first >= 3 * weights * 4
 

@@ -19,7 +19,7 @@ import keras
 from keras_perf import backend as _backend
 from keras_perf.acceleration import _apply
 from keras_perf.acceleration._apply import NOT_AVAILABLE, Unavailable, torch_traced
-from keras_perf.diagnosis._measure import compile_twin, make_twin
+from keras_perf.diagnosis._measure import compile_twin, make_twin, policy_twin
 
 # `steps_per_execution` values tried (capped by the steps of one measurement).
 SPE_VALUES = (4, 16, 64)
@@ -229,22 +229,14 @@ def _mixed_precision(ctx, notes):
         return None
 
     def make(policy=policy):
+        try:
+            twin = policy_twin(ctx.model, policy)
+        except Exception as e:  # noqa: BLE001 - any clone failure: not measurable
+            raise Unavailable(f"Keras could not clone this model ({e})") from e
         previous = keras.mixed_precision.global_policy()
         try:
             keras.mixed_precision.set_global_policy(policy)
-
-            def clone(layer):
-                config = layer.get_config()
-                if "dtype" in config:
-                    config["dtype"] = policy
-                return type(layer).from_config(config)
-
             with _backend.model_scope(ctx.model):
-                try:
-                    twin = keras.models.clone_model(ctx.model, clone_function=clone)
-                    twin.set_weights(ctx.model.get_weights())
-                except Exception as e:  # noqa: BLE001 - any clone failure: not measurable
-                    raise Unavailable(f"Keras could not clone this model ({e})") from e
                 compile_twin(twin, ctx.compile_args)
         finally:
             keras.mixed_precision.set_global_policy(previous)

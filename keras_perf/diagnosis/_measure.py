@@ -67,6 +67,27 @@ def make_twin(model):
     return twin
 
 
+def policy_twin(model, policy):
+    """A twin of `model` whose layers run under the dtype `policy`, with its weights (not
+    compiled). Raises whatever Keras raises when it cannot clone the model."""
+    previous = keras.mixed_precision.global_policy()
+    try:
+        keras.mixed_precision.set_global_policy(policy)
+
+        def clone(layer):
+            config = layer.get_config()
+            if "dtype" in config:
+                config["dtype"] = policy
+            return type(layer).from_config(config)
+
+        with _backend.model_scope(model):
+            twin = keras.models.clone_model(model, clone_function=clone)
+            twin.set_weights(model.get_weights())
+    finally:
+        keras.mixed_precision.set_global_policy(previous)
+    return twin
+
+
 def compile_twin(twin, args, **changes) -> None:
     kwargs = {k: _fresh(args[k]) for k in COMPILE_KEYS if k in args}
     if isinstance(twin.optimizer, keras.optimizers.Optimizer) and "optimizer" not in changes:

@@ -25,19 +25,11 @@ class _Context:
         self.mixed_twin = None
 
     def use_mixed_twin(self, policy):
+        twin = _measure.policy_twin(self.model, policy)
         previous = keras.mixed_precision.global_policy()
         try:
             keras.mixed_precision.set_global_policy(policy)
-
-            def clone(layer):
-                config = layer.get_config()
-                if "dtype" in config:
-                    config["dtype"] = policy
-                return type(layer).from_config(config)
-
             with _backend.model_scope(self.model):
-                twin = keras.models.clone_model(self.model, clone_function=clone)
-                twin.set_weights(self.model.get_weights())
                 _measure.compile_twin(
                     twin,
                     self.compile_args,

@@ -413,7 +413,8 @@ def test_demo_training_speed_row_uses_accelerate(tmp_path):
     _levers.training_speed(demo)
     (row,) = demo.levers
     assert row["baseline"] > 0 and row["with"] > 0, row
-    assert row["gain"] == pytest.approx(row["with"] / row["baseline"], rel=0.02), row
+    # The gain is rounded to 2 decimals (0.11 for a ratio of 0.1066).
+    assert row["gain"] == pytest.approx(row["with"] / row["baseline"], abs=0.0051), row
     assert "exact" in row["note"] and "accelerate's own measure" in row["note"], row
 
 

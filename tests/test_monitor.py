@@ -338,6 +338,24 @@ def test_the_monitor_shows_what_remat_saves():
     assert plain[0]["peak_memory_bytes"] - remat[0]["peak_memory_bytes"] >= 0.9 * saved
 
 
+@pytest.mark.backends("torch")
+@pytest.mark.skipif(kp.backend.has_accelerator(), reason="a CPU's measure")
+def test_a_traced_step_logs_the_process_peak_and_stays_traced():
+    """keras-perf's traced step runs one graph without autograd, so the saved-tensor count
+    would read 0: the monitor logs the process's peak instead, and the step neither falls
+    back nor warns (the count's hooks once broke the trace)."""
+    from keras_perf.train_step.torch_traced import traced_step_state
+
+    model = kp.loss_scaled(_memory_mlp(), traced_step=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        history, _ = _monitored_peaks(model, 32, epochs=2)
+    state = traced_step_state(model)
+    assert state["active"] and state["reason"] is None and state["signatures"] >= 1
+    assert [r["memory_measure"] for r in history] == ["host_peak_rss"] * 2
+    assert all(r["peak_memory_bytes"] > 10 * 2**20 for r in history)
+
+
 class _RebuildTrainFunction(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         self.model.make_train_function(force=True)

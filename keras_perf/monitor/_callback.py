@@ -322,7 +322,12 @@ class TrainingMonitor(keras.callbacks.Callback):
 
     def _open_epoch_memory(self) -> None:
         self._memory_model = self.model
-        self._epoch_memory = None if self._accelerator else _backend.epoch_memory(self.model)
+        if self._accelerator or _runs_traced(self.model):
+            # keras-perf's traced torch step runs one graph without autograd: the saved-tensor
+            # count would see nothing, so the epochs log the process's peak resident memory.
+            self._epoch_memory = None
+        else:
+            self._epoch_memory = _backend.epoch_memory(self.model)
 
     def _close_epoch_memory(self) -> None:
         meter, self._epoch_memory = self._epoch_memory, None
@@ -470,3 +475,12 @@ def _one_line(r: dict) -> str:
     if r.get("mfu") is not None:
         parts.append(f"MFU {100 * r['mfu']:.1f}%")
     return ", ".join(parts)
+
+
+def _runs_traced(model) -> bool:
+    """True when `model`'s next steps run as keras-perf's traced torch graph."""
+    if keras.backend.backend() != "torch":
+        return False
+    from keras_perf.train_step.torch_traced import traced_step_state
+
+    return traced_step_state(model)["active"]

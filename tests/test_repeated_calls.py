@@ -13,19 +13,21 @@ BACKEND = keras.backend.backend()
 pytestmark = pytest.mark.slow
 
 
-# The bound docs/diagnose.md states: over calls 10 to 20 of one tool on one small model, the
-# process's resident memory grows by less than this (measured 2026-11-28: at most 0.4 MiB, on
-# every backend, except the TensorFlow cases below).
-REPEATED_CALLS_GROWTH_MIB = 5.0
+# The bound docs/diagnose.md states: over the second half of the calls of one tool on one small
+# model, the process's resident memory grows by less than this per call on average (measured
+# 2026-11-28 over calls 10 to 20: at most 0.04 MiB per call, on every backend, except the
+# TensorFlow cases below, 5-6 MiB per call).
+REPEATED_CALLS_GROWTH_MIB_PER_CALL = 0.5
+CALLS = 12  # the benchmark makes 20; 12 keep the slow tier shorter and still see 1 MiB a call
 
 
 @pytest.mark.parametrize(
     "tool", ["find_learning_rate", "find_max_batch_size", "diagnose", "inference_report"]
 )
 def test_repeated_calls_level_off_in_memory(tool):
-    """Issue 41 (memory over repeated use): 20 calls of each tool in one process, the user's
+    """Issue 41 (memory over repeated use): 12 calls of each tool in one process, the user's
     model alive throughout (no `clear_session`): RSS grows by less than the stated bound from
-    call 10 to call 20 (`benchmarks/bench_repeated_calls.py`)."""
+    call 6 to call 12 (`benchmarks/bench_repeated_calls.py`)."""
     if tool in ("find_max_batch_size", "diagnose") and BACKEND == "tensorflow":
         pytest.xfail(
             "known, not fixed yet: on TensorFlow each call grows RSS by 5-6 MiB (measured "
@@ -34,6 +36,6 @@ def test_repeated_calls_level_off_in_memory(tool):
         )
     from benchmarks.bench_repeated_calls import measure
 
-    m = measure(tool, calls=20)
+    m = measure(tool, calls=CALLS)
     assert m["model_alive"]
-    assert m["growth_mib"] < REPEATED_CALLS_GROWTH_MIB, m
+    assert m["growth_mib"] < REPEATED_CALLS_GROWTH_MIB_PER_CALL * (CALLS - CALLS // 2), m

@@ -22,9 +22,12 @@ from tests._child import tensorflow_with_bfc
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # The slow tier (each case times real fits for seconds): `.ci/run` runs it on every backend.
-# Its verdicts come from wall-time measurements: `.ci/run` runs it alone (`-m timing -n 0`), as
-# a test beside it on a 2-core machine can turn a compute-bound step host-bound.
-pytestmark = [pytest.mark.slow, pytest.mark.timing]
+# The cases whose verdicts come from wall-time measurements are marked `timing` (TIMING below):
+# `.ci/run` runs them alone (`-m timing -n 0`), as a test beside them on a 2-core machine can
+# turn a compute-bound step host-bound. The others (bad input, one-pass inputs, the step's
+# memory count, the command line) assert nothing about time and run beside other tests.
+pytestmark = pytest.mark.slow
+TIMING = pytest.mark.timing
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -87,6 +90,7 @@ def _variables(model):
     return [np.array(keras.ops.convert_to_numpy(v.value)) for v in _all_variables(model)]
 
 
+@TIMING
 def test_sleeping_input_is_input_bound_and_workers_help(digits, tmp_path):
     (x, y), _ = digits
     model = small_mlp()
@@ -123,6 +127,7 @@ def test_sleeping_input_is_input_bound_and_workers_help(digits, tmp_path):
     assert (tmp_path / "diag.png").stat().st_size > 1000 and path.endswith("diag.png")
 
 
+@TIMING
 def test_locked_input_is_input_bound_and_workers_do_not_help(digits):
     (x, y), _ = digits
     model = small_mlp()
@@ -154,6 +159,7 @@ def _slow_map_dataset(x, y):
     return ds.with_options(options)
 
 
+@TIMING
 @pytest.mark.backends("tensorflow")
 def test_tf_data_what_ifs_are_offered_where_they_apply_and_cache_wins(digits):
     (x, y), _ = digits
@@ -175,6 +181,7 @@ def test_tf_data_what_ifs_are_offered_where_they_apply_and_cache_wins(digits):
     assert not [w for w in d.what_if if w["change"].startswith("tf.data")], str(d)
 
 
+@TIMING
 @pytest.mark.backends("tensorflow")
 def test_tf_data_cache_not_tried_on_an_infinite_dataset(digits):
     (x, y), _ = digits
@@ -236,6 +243,7 @@ def _record_fits(monkeypatch):
     return seen
 
 
+@TIMING
 @pytest.mark.parametrize(
     "capability, policy", [((7, 5), "mixed_float16"), ((9, 0), "mixed_bfloat16")]
 )
@@ -265,6 +273,7 @@ def test_mixed_precision_what_if_on_an_accelerator_leaves_the_policy_and_model_a
         np.testing.assert_array_equal(a, b)
 
 
+@TIMING
 def test_mixed_precision_on_a_cpu_follows_the_report_or_its_bfloat16_units(digits, monkeypatch):
     """On a CPU, `mixed_bfloat16` is timed on the model where the CPU has bfloat16 units (or
     this process's precision report picked it); not offered, with the reason, otherwise. The
@@ -318,6 +327,7 @@ def test_mixed_precision_on_a_cpu_follows_the_report_or_its_bfloat16_units(digit
     assert any("precision_report() measured it: kernels 1.05x" in n for n in d.notes), d.notes
 
 
+@TIMING
 def test_memory_bound_batch_is_micro_batched_and_rematerialised_instead(digits, monkeypatch):
     """Where twice the peak memory does not fit, the larger batch is timed in slices of the
     current one (kp.loss_scaled's micro-batching) and whole with remat="full", not as it is."""
@@ -480,12 +490,14 @@ def check_memory_cap_what_ifs(x, y, exact=True):
     return over, doubled
 
 
+@TIMING
 @pytest.mark.backends("jax", "torch")
 def test_memory_cap_brings_out_remat_and_micro_batching(digits):
     (x, y), _ = digits
     check_memory_cap_what_ifs(x, y)
 
 
+@TIMING
 @pytest.mark.backends("tensorflow")
 def test_memory_cap_tensorflow_with_bfc_allocator():
     """TensorFlow's CPU allocator counts a step's memory only as the BFC allocator, chosen
@@ -525,6 +537,7 @@ def test_peak_step_memory_is_reported_where_the_backend_measures_it(digits):
     assert "peak step memory:" in str(d)
 
 
+@TIMING
 def test_a_peak_from_earlier_work_does_not_hold_the_larger_batch_back(digits, monkeypatch):
     """JAX cannot reset its peak memory: a peak this model did not raise is someone else's."""
     from keras_perf import backend as _backend
@@ -557,6 +570,7 @@ class OOMAbove(keras.layers.Layer):
         return {**super().get_config(), "threshold": self.threshold}
 
 
+@TIMING
 def test_a_larger_batch_that_runs_out_of_memory_is_micro_batched(digits, monkeypatch):
     _only(monkeypatch, "batch_size")
     (x, y), _ = digits
@@ -580,6 +594,7 @@ def test_a_larger_batch_that_runs_out_of_memory_is_micro_batched(digits, monkeyp
     ), d.notes
 
 
+@TIMING
 def test_tiny_step_is_host_bound_and_model_untouched(digits):
     (x, y), _ = digits
     model = small_mlp()
@@ -621,6 +636,7 @@ def test_tiny_step_is_host_bound_and_model_untouched(digits):
         np.testing.assert_array_equal(a, b)
 
 
+@TIMING
 @pytest.mark.backends("tensorflow")  # where jit_compile is offered (JAX compiles by default)
 def test_the_budget_holds_when_a_change_compiles_for_seconds(digits, monkeypatch):
     """A change whose warm-up cannot be cut short (XLA's compile for jit_compile: 3-4 s for
@@ -651,6 +667,7 @@ def test_tiny_steps_repeat_the_batches_in_memory_within_16x_and_256_mib():
     assert _repeats_in_memory(0.0, 0) == 16  # a step too fast to time, no arrays
 
 
+@TIMING
 def test_wide_mlp_at_large_batch_is_compute_bound():
     keras.utils.set_random_seed(0)
     model = keras.Sequential(
@@ -806,6 +823,7 @@ def test_cli_diagnose_json(digits, tmp_path, capsys):
     assert abs(sum(out["shares"].values()) - 1) < 1e-9
 
 
+@TIMING
 @pytest.mark.backends("tensorflow")
 def test_a_caching_pipeline_is_measured_cached(digits):
     """Steady state, not the cache-filling first pass: otherwise every what-if timed after
@@ -828,6 +846,7 @@ class SlowWrapUp(keras.Sequential):
         return history
 
 
+@TIMING
 def test_whole_epoch_timing_counts_what_a_fit_pays_after_its_epochs(digits):
     """A multi-epoch training pays each epoch's teardown; the figure diagnose compares must too
     (timed per epoch alone, it missed TF's iterator teardown: 1.19x predicted, 1.74x real)."""

@@ -7,15 +7,15 @@ snapshot it restores afterwards (`_state`), training that recovers from OOM (`_r
 from __future__ import annotations
 
 import math
-import types
 
 import keras
 import numpy as np
 
 from keras_perf import backend as _backend
+from keras_perf._inputs import check_not_consumable, is_array_input
 from keras_perf._utils import check_int, first_tensor, map_batch
 from keras_perf.oom._retry import _error_text
-from keras_perf.oom._state import _is_array_input, _restore, _snapshot
+from keras_perf.oom._state import _restore, _snapshot
 from keras_perf.train_step import LossScaleTrainStep, loss_scaled
 
 
@@ -28,20 +28,10 @@ def _is_unbatched_tf_data(model, x) -> bool:
     return spec.shape.rank == len(inputs[0].shape) - 1
 
 
-def check_not_consumable(x, caller: str) -> None:
-    """Refuse a generator or iterator `x`, which reading a probe batch would consume."""
-    if isinstance(x, types.GeneratorType) or (hasattr(x, "__next__") and iter(x) is x):
-        raise TypeError(
-            f"{caller}: `x` is a generator or iterator, which the probe would "
-            "consume. Pass arrays, a `tf.data.Dataset`, a `keras.utils.PyDataset` or a torch "
-            "DataLoader."
-        )
-
-
 def _probe_batch(model, x, y, batch_size, caller="find_max_microbatch", size_name="batch_size"):
     """The first `batch_size` examples of `x` as `(x, y, sample_weight)` arrays; `caller`
     and `size_name` name the function and the size's argument in error messages."""
-    if _is_array_input(x):
+    if is_array_input(x):
         return (*map_batch(lambda t: t[:batch_size], (x, y)), None)
     check_not_consumable(x, caller)
     if y is not None:

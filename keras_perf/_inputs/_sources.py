@@ -1,4 +1,4 @@
-"""What `diagnose` reads: the user's training data, as `fit` takes it, behind one interface.
+"""The user's training data, as `fit` takes it, behind one interface (`diagnose`, `accelerate`).
 
 A `Source` answers three questions the measurements ask: what to pass to `fit` to train on the
 user's own data and settings (`fit_kwargs`), how long pulling batches takes by itself (`take`),
@@ -16,13 +16,8 @@ import time
 import keras
 import numpy as np
 
+from keras_perf._inputs._kinds import KERAS_DEFAULT_BATCH, is_array_input, module_of
 from keras_perf._utils import first_tensor
-
-KERAS_DEFAULT_BATCH = 32
-
-
-def _module(x) -> str:
-    return type(x).__module__ or ""
 
 
 def _to_numpy(batch):
@@ -35,14 +30,6 @@ def _leading(batch) -> int | None:
         return int(first_tensor(x).shape[0])
     except (TypeError, AttributeError, IndexError, StopIteration):
         return None
-
-
-def is_array_input(x) -> bool:
-    """numpy arrays / backend tensors, or a dict, list or tuple of them."""
-    leaves = keras.tree.flatten(x) if isinstance(x, (dict, list, tuple)) else [x]
-    return bool(leaves) and all(
-        isinstance(t, np.ndarray) or (hasattr(t, "shape") and hasattr(t, "dtype")) for t in leaves
-    )
 
 
 class Source:
@@ -173,9 +160,9 @@ def make_source(x, y, batch_size, steps) -> Source:
     elif inspect.isgenerator(x) or (hasattr(x, "__next__") and iter(x) is x):
         # Before tf.data: `iter(dataset)` has an `element_spec` too, but is read once.
         batched = "generator"
-    elif _module(x).startswith("tensorflow") and hasattr(x, "element_spec"):
+    elif module_of(x).startswith("tensorflow") and hasattr(x, "element_spec"):
         batched = "tf.data"
-    elif _module(x).startswith("torch.utils.data"):
+    elif module_of(x).startswith("torch.utils.data"):
         batched = "DataLoader"
     if batched is not None:
         if y is not None:

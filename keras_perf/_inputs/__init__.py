@@ -8,6 +8,7 @@ the user's `x` (and `y`, `batch_size`, `memory_limit_bytes`) through this packag
 - `_checks`: the checks made before any work, each naming the tool, the argument and the fix
   (`check_fit_data`, `check_not_consumable`, `check_memory_limit`,
   `check_no_ignored_settings`).
+- `_probe`: `probe_batch`, the first examples of `x` as arrays, for a step tried on them.
 - `_sources`: the data behind one interface for the measuring tools (`make_source`: arrays,
   restartable inputs, a one-pass generator read once; `stack`, `leading_dim`).
 
@@ -29,6 +30,7 @@ from keras_perf._inputs._kinds import (
     is_array_input,
     is_tf_dataset,
 )
+from keras_perf._inputs._probe import probe_batch
 
 __all__ = [
     "KERAS_DEFAULT_BATCH",
@@ -39,6 +41,7 @@ __all__ = [
     "infer_batch_size",
     "is_array_input",
     "is_tf_dataset",
+    "probe_batch",
     "required_input_names",
     "sources",
 ]

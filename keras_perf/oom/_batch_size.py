@@ -21,10 +21,10 @@ from keras_perf._inputs import (
     check_no_ignored_settings,
     check_not_consumable,
     is_array_input,
+    probe_batch,
 )
 from keras_perf._utils import check_int, first_tensor, map_batch
 from keras_perf.oom._batch_report import MaxBatchSizeReport
-from keras_perf.oom._probe import _probe_batch
 from keras_perf.oom._retry import _error_text
 from keras_perf.oom._rungs import BOTH, MICROBATCHES, REMAT
 from keras_perf.oom._state import _restore, _snapshot, _state_variables
@@ -338,7 +338,7 @@ def find_max_batch_size(
     largest = _largest(x, max_batch_size)
     probe = _probe_model(model, names)
     limit = _check_limit(memory_limit_bytes)
-    data = _probe_batch(model, x, y, largest, caller=_CALLER, size_name="max_batch_size")
+    data = probe_batch(model, x, y, largest, caller=_CALLER, size_name="max_batch_size")
     with _backend.model_scope(probe):
         keras_internals.symbolic_build(probe, map_batch(lambda t: t[:1], data))
     own = None

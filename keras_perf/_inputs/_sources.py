@@ -60,7 +60,7 @@ class Source:
 class ArraySource(Source):
     kind = "arrays"
 
-    def __init__(self, x, y, batch_size):
+    def __init__(self, x, y, batch_size, caller="diagnose"):
         self.x, self.y = x, y
         self.batch_size = batch_size or KERAS_DEFAULT_BATCH
         n = int(first_tensor(x).shape[0])
@@ -70,16 +70,16 @@ class ArraySource(Source):
             for leaf in keras.tree.flatten(part):
                 if int(leaf.shape[0]) != n:
                     raise ValueError(
-                        f"diagnose: `x` has {n} examples but `{name}` has {int(leaf.shape[0])}; "
+                        f"{caller}: `x` has {n} examples but `{name}` has {int(leaf.shape[0])}; "
                         "fit needs the same number in both."
                     )
         for leaf in keras.tree.flatten(x):
             if int(leaf.shape[0]) != n:
                 raise ValueError(
-                    f"diagnose: the arrays in `x` differ in length ({n} and {int(leaf.shape[0])})."
+                    f"{caller}: the arrays in `x` differ in length ({n} and {int(leaf.shape[0])})."
                 )
         if n < 1:
-            raise ValueError("diagnose: `x` holds no examples.")
+            raise ValueError(f"{caller}: `x` holds no examples.")
         self.examples = n
         self.batches_per_epoch = max(n // self.batch_size, 1)
 
@@ -150,10 +150,11 @@ def _length(x, kind) -> int | None:
         return None
 
 
-def make_source(x, y, batch_size, steps) -> Source:
-    """Sort the data into one of the kinds fit takes; raise what fit would raise, early."""
+def make_source(x, y, batch_size, steps, caller="diagnose") -> Source:
+    """Sort the data into one of the kinds fit takes; raise what fit would raise, early, naming
+    `caller` (the tool)."""
     if x is None:
-        raise ValueError("diagnose: `x` is None; pass the data you give `model.fit`.")
+        raise ValueError(f"{caller}: `x` is None; pass the data you give `model.fit`.")
     batched = None
     if isinstance(x, keras.utils.PyDataset):
         batched = "PyDataset"
@@ -167,29 +168,29 @@ def make_source(x, y, batch_size, steps) -> Source:
     if batched is not None:
         if y is not None:
             raise ValueError(
-                f"diagnose: `y` must be None when `x` is a {batched} (it yields the targets "
+                f"{caller}: `y` must be None when `x` is a {batched} (it yields the targets "
                 f"itself), as in fit; got `y` of type {type(y).__name__}."
             )
         if batch_size is not None:
             raise ValueError(
-                f"diagnose: `batch_size` must be None when `x` is a {batched} (it yields batches "
+                f"{caller}: `batch_size` must be None when `x` is a {batched} (it yields batches "
                 f"already), as in fit; got {batch_size!r}."
             )
         if batched == "generator":
             return OnePassSource(x, steps)
         source = RestartableSource(x, batched)
         if source.batches_per_epoch == 0:
-            raise ValueError(f"diagnose: the {batched} `x` is empty.")
+            raise ValueError(f"{caller}: the {batched} `x` is empty.")
         return source
     if isinstance(x, (str, bytes)) or not is_array_input(x):
         raise TypeError(
-            "diagnose: `x` must be what `fit` takes: NumPy arrays or tensors (or a dict/list of "
+            f"{caller}: `x` must be what `fit` takes: NumPy arrays or tensors (or a dict/list of "
             "them), a tf.data.Dataset, a keras.utils.PyDataset, a torch DataLoader or a "
             f"generator; got {type(x).__name__}."
         )
     if y is not None and not is_array_input(y):
-        raise TypeError(f"diagnose: `y` must be arrays like `x`; got {type(y).__name__}.")
-    return ArraySource(x, y, batch_size)
+        raise TypeError(f"{caller}: `y` must be arrays like `x`; got {type(y).__name__}.")
+    return ArraySource(x, y, batch_size, caller)
 
 
 def stack(batches: list, batch_size: int):

@@ -57,10 +57,7 @@ def _check(model, batch_size, max_seconds, exact, apply):
 
 def _source(x, y, batch_size):
     """`diagnose`'s reading of the data; a one-pass generator is read once into memory."""
-    try:
-        source = _data.make_source(x, y, batch_size, GENERATOR_BATCHES)
-    except (ValueError, TypeError) as e:
-        raise type(e)(str(e).replace("diagnose:", "accelerate:", 1)) from None
+    source = _data.make_source(x, y, batch_size, GENERATOR_BATCHES, caller="accelerate")
     notes = []
     if source.one_pass:
         batches = list(source.recorder())
@@ -76,7 +73,7 @@ def _source(x, y, batch_size):
             f"{GENERATOR_BATCHES}, as kp.diagnose reads one) and measured on them in memory"
             + ("; their sample weights were left out." if sws is not None else ".")
         )
-        source = _data.ArraySource(xs, ys, size)
+        source = _data.ArraySource(xs, ys, size, caller="accelerate")
     return source, notes
 
 

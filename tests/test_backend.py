@@ -135,3 +135,37 @@ def test_examples_seen_counts_real_batch_sizes():
     x, y = np.ones((21, 4), "float32"), np.ones((21, 2), "float32")
     model.fit(x, y, batch_size=8, epochs=1, verbose=0)  # batches of 8, 8 and 5
     assert backend.examples_seen(model) == 21
+
+
+def test_every_memory_measure_the_code_names_is_in_the_table():
+    """Issue 42: `host_peak_rss` and `xla_peak_bytes_in_use` were reported (monitor, JAX's
+    `memory_stats`) but missing from `kp.oom.MEASURES`. Every `"measure": "..."` literal in
+    keras_perf is a key of the one table, which `kp.oom.MEASURES` is."""
+    import re
+    from pathlib import Path
+
+    import keras_perf as kp
+
+    assert kp.oom.MEASURES is backend.MEASURES
+    root = Path(backend.__file__).parents[1]
+    named = {
+        m.group(1)
+        for path in root.rglob("*.py")
+        for m in re.finditer(r"""["']measure["']\s*:\s*["']([^"']+)["']""", path.read_text())
+    }
+    assert {"host_peak_rss", "xla_peak_bytes_in_use", "torch_saved_tensors"} <= named
+    assert named - set(backend.MEASURES) == set()
+    assert all(isinstance(text, str) and text for text in backend.MEASURES.values())
+
+
+@pytest.mark.skipif(
+    backend.step_memory_unavailable() is not None, reason="no step measure on this backend here"
+)
+def test_step_memory_names_a_measure_of_the_table():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = np.ones((8, 4), "float32"), np.zeros((8, 3), "float32")
+    model.train_on_batch(x, y)
+    result = backend.step_memory(model, (x, y, None), lambda: model.train_on_batch(x, y))
+    assert result["measure"] in backend.MEASURES
+    assert result["bytes"] > 8 * 4 * 4  # at least the batch

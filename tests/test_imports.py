@@ -179,6 +179,12 @@ LAYERS = {
     ),
     # The backend train steps and the public train-step API, above both.
     "train_step": (("keras_perf.train_step",), ("ground", "backend", "train_step_base")),
+    # The reading of `fit`'s inputs, shared by the tools above it (diagnose, accelerate, oom,
+    # lr_finder); it checks train-step settings, so it sits above the train step.
+    "inputs": (
+        ("keras_perf._inputs",),
+        ("ground", "backend", "train_step_base", "train_step"),
+    ),
 }
 
 

@@ -13,11 +13,11 @@ import warnings
 import keras
 import numpy as np
 
-from keras_perf._data_checks import check_fit_data, check_no_ignored_settings
+from keras_perf._inputs import check_fit_data, check_no_ignored_settings
+from keras_perf._inputs import sources as _data
 from keras_perf._utils import KerasPerfWarning, check_bool, check_int, check_number
 from keras_perf.acceleration import _apply, _candidates, _exact, _measure
 from keras_perf.acceleration._report import Acceleration
-from keras_perf.diagnosis import _data
 from keras_perf.diagnosis import _measure as _dmeasure
 
 __all__ = ["Acceleration", "accelerate"]
@@ -57,10 +57,7 @@ def _check(model, batch_size, max_seconds, exact, apply):
 
 def _source(x, y, batch_size):
     """`diagnose`'s reading of the data; a one-pass generator is read once into memory."""
-    try:
-        source = _data.make_source(x, y, batch_size, GENERATOR_BATCHES)
-    except (ValueError, TypeError) as e:
-        raise type(e)(str(e).replace("diagnose:", "accelerate:", 1)) from None
+    source = _data.make_source(x, y, batch_size, GENERATOR_BATCHES, caller="accelerate")
     notes = []
     if source.one_pass:
         batches = list(source.recorder())
@@ -76,7 +73,7 @@ def _source(x, y, batch_size):
             f"{GENERATOR_BATCHES}, as kp.diagnose reads one) and measured on them in memory"
             + ("; their sample weights were left out." if sws is not None else ".")
         )
-        source = _data.ArraySource(xs, ys, size)
+        source = _data.ArraySource(xs, ys, size, caller="accelerate")
     return source, notes
 
 

@@ -13,7 +13,8 @@ Interface (every implementation module provides these names):
 - ``memory_stats() -> dict | None``: ``{"current_bytes", "peak_bytes", "device", "measure"}``
   of the first accelerator, or None when there is no accelerator (or it reports nothing);
   ``measure`` names the counter (``"tf_allocator_peak"``, ``"torch_cuda_peak"``,
-  ``"xla_peak_bytes_in_use"``).
+  ``"xla_peak_bytes_in_use"``). Every measure keras-perf reports is a key of
+  ``MEASURES`` (``_measures.py``), which says what it counts.
 - ``reset_peak_memory() -> bool``: reset the accelerator's peak counter; False if unsupported.
 - ``list_devices() -> list[dict]``: ``name``, ``kind`` (CPU/GPU/TPU), ``memory_bytes``,
   ``compute_capability`` (a ``(major, minor)`` tuple or None).
@@ -95,6 +96,7 @@ import numpy as np
 
 from keras_perf._host_memory import host_memory, reset_host_peak_memory
 from keras_perf._keras_internals import examples_seen, is_functional
+from keras_perf.backend._measures import MEASURES
 
 BACKEND: str = keras.backend.backend()
 
@@ -114,6 +116,7 @@ else:
 __all__ = [
     "BACKEND",
     "FIT_BUILDS_IN_FIRST_STEP",
+    "MEASURES",
     "STEP_MEMORY_RUNS_STEP",
     "STEP_READS_EXTERNAL_VARIABLES",
     "any_worker",

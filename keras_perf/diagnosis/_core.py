@@ -9,9 +9,10 @@ import keras
 import numpy as np
 
 from keras_perf import backend as _backend
-from keras_perf._data_checks import check_fit_data, check_no_ignored_settings
+from keras_perf._inputs import check_fit_data, check_memory_limit, check_no_ignored_settings
+from keras_perf._inputs import sources as _data
 from keras_perf._utils import check_bool, check_int, check_number
-from keras_perf.diagnosis import _data, _measure, _trial
+from keras_perf.diagnosis import _measure, _trial
 from keras_perf.diagnosis._report import Diagnosis
 
 # Share of the budget for the four baseline measurements when what-ifs follow.
@@ -46,13 +47,7 @@ def _check(model, steps, max_seconds, batch_size, what_if, memory_limit_bytes):
     check_bool("what_if", what_if)
     if memory_limit_bytes is None:
         return None
-    limit = check_number("memory_limit_bytes", memory_limit_bytes, low=0, low_inclusive=False)
-    if not math.isfinite(limit):
-        raise ValueError(f"`memory_limit_bytes` must be finite, got {memory_limit_bytes!r}.")
-    problem = _backend.step_memory_unavailable()
-    if problem is not None:
-        raise ValueError(f"diagnose(memory_limit_bytes=...): {problem}")
-    return int(limit)
+    return check_memory_limit("diagnose", memory_limit_bytes)
 
 
 def diagnose(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from keras_perf import _imports
-from keras_perf.oom._batch_report import MEASURES as _MEASURES
+from keras_perf.backend import MEASURES as _MEASURES
 
 VERDICTS = {
     "input": "the step waits for data: make the input faster or overlap it with the step",

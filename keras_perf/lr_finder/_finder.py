@@ -23,7 +23,7 @@ import warnings
 import keras
 
 from keras_perf import backend as _backend
-from keras_perf._data_checks import check_fit_data, check_no_ignored_settings
+from keras_perf._inputs import check_fit_data, check_no_ignored_settings
 from keras_perf._keras_internals import learning_rate_source
 from keras_perf._utils import check_int, check_number, iter_layers, warn
 from keras_perf.lr_finder._curve import LRFinderResult, SmoothedLoss, diverged

@@ -1,23 +1,16 @@
 """`MaxBatchSizeReport`: what `kp.find_max_batch_size` found, one row per setting.
 
-A read-only mapping that prints as a table, like `kp.precision_report()`'s report; the
-names of the memory measures a row can name (`MEASURES`). Not here: the search
-(`_batch_size`).
+A read-only mapping that prints as a table, like `kp.precision_report()`'s report;
+`MEASURES`, the memory measures a row can name (the table of `keras_perf.backend`, where they
+are minted). Not here: the search (`_batch_size`).
 """
 
 from __future__ import annotations
 
 from keras_perf._utils import ReadOnlyReport
+from keras_perf.backend import MEASURES
 
 __all__ = ["MEASURES", "MaxBatchSizeReport"]
-
-#: What each measure counts (a row's `measure` names one).
-MEASURES = {
-    "tf_allocator_peak": "TensorFlow allocator's peak during the step, plus the variables",
-    "torch_cuda_peak": "torch CUDA allocator's peak during the step, plus the variables",
-    "torch_saved_tensors": "tensors saved for backward (peak) + variables, gradients, batch",
-    "xla_memory_analysis": "XLA memory analysis: arguments + outputs - donated + temp",
-}
 
 
 def _megabytes(n: int) -> str:

@@ -11,24 +11,23 @@ returns (`_batch_report`), the probe batch read from `x` (`_probe`), the host sn
 
 from __future__ import annotations
 
-import math
-
 import keras
 
 from keras_perf import _keras_internals as keras_internals
 from keras_perf import backend as _backend
-from keras_perf._data_checks import check_fit_data, check_no_ignored_settings
-from keras_perf._utils import check_int, check_number, first_tensor, map_batch
+from keras_perf._inputs import (
+    check_fit_data,
+    check_memory_limit,
+    check_no_ignored_settings,
+    check_not_consumable,
+    is_array_input,
+    probe_batch,
+)
+from keras_perf._utils import check_int, first_tensor, map_batch
 from keras_perf.oom._batch_report import MaxBatchSizeReport
-from keras_perf.oom._probe import _probe_batch, check_not_consumable
 from keras_perf.oom._retry import _error_text
 from keras_perf.oom._rungs import BOTH, MICROBATCHES, REMAT
-from keras_perf.oom._state import (
-    _is_array_input,
-    _restore,
-    _snapshot,
-    _state_variables,
-)
+from keras_perf.oom._state import _restore, _snapshot, _state_variables
 from keras_perf.train_step import LossScaleTrainStep, loss_scaled
 
 __all__ = ["SETTINGS", "find_max_batch_size"]
@@ -214,7 +213,7 @@ def _probe_model(model, names):
 
 def _largest(x, max_batch_size):
     """The largest batch to try: `max_batch_size`, or the number of examples in array `x`."""
-    if not _is_array_input(x):
+    if not is_array_input(x):
         check_not_consumable(x, _CALLER)
         if max_batch_size is None:
             raise ValueError(
@@ -241,13 +240,7 @@ def _check_limit(memory_limit_bytes):
                 "the step's peak and fails above it."
             )
         return None
-    limit = check_number("memory_limit_bytes", memory_limit_bytes, low=0, low_inclusive=False)
-    if not math.isfinite(limit):
-        raise ValueError(f"`memory_limit_bytes` must be finite, got {memory_limit_bytes!r}.")
-    problem = _backend.step_memory_unavailable()
-    if problem is not None:
-        raise ValueError(f"{_CALLER}(memory_limit_bytes=...): {problem}")
-    return int(limit)
+    return check_memory_limit(_CALLER, memory_limit_bytes)
 
 
 def find_max_batch_size(
@@ -345,7 +338,7 @@ def find_max_batch_size(
     largest = _largest(x, max_batch_size)
     probe = _probe_model(model, names)
     limit = _check_limit(memory_limit_bytes)
-    data = _probe_batch(model, x, y, largest, caller=_CALLER, size_name="max_batch_size")
+    data = probe_batch(model, x, y, largest, caller=_CALLER, size_name="max_batch_size")
     with _backend.model_scope(probe):
         keras_internals.symbolic_build(probe, map_batch(lambda t: t[:1], data))
     own = None

@@ -1,76 +1,22 @@
 """`find_max_microbatch`: the largest micro-batch of a batch that fits, by probing.
 
-Lives here: the probe and how it takes its batch from arrays or a dataset. Not here: the
-snapshot it restores afterwards (`_state`), training that recovers from OOM (`_retry`).
+Lives here: the probe. Not here: how it takes its batch from arrays or a dataset
+(`keras_perf._inputs.probe_batch`), the snapshot it restores afterwards (`_state`), training
+that recovers from OOM (`_retry`).
 """
 
 from __future__ import annotations
 
 import math
-import types
 
 import keras
-import numpy as np
 
 from keras_perf import backend as _backend
-from keras_perf._utils import check_int, first_tensor, map_batch
+from keras_perf._inputs import probe_batch
+from keras_perf._utils import check_int, first_tensor
 from keras_perf.oom._retry import _error_text
-from keras_perf.oom._state import _is_array_input, _restore, _snapshot
+from keras_perf.oom._state import _restore, _snapshot
 from keras_perf.train_step import LossScaleTrainStep, loss_scaled
-
-
-def _is_unbatched_tf_data(model, x) -> bool:
-    """A tf.data.Dataset whose elements have one dimension less than the model's inputs."""
-    inputs = getattr(model, "inputs", None)
-    spec = keras.tree.flatten(x.element_spec)[0]
-    if not inputs or spec.shape.rank is None:
-        return False
-    return spec.shape.rank == len(inputs[0].shape) - 1
-
-
-def check_not_consumable(x, caller: str) -> None:
-    """Refuse a generator or iterator `x`, which reading a probe batch would consume."""
-    if isinstance(x, types.GeneratorType) or (hasattr(x, "__next__") and iter(x) is x):
-        raise TypeError(
-            f"{caller}: `x` is a generator or iterator, which the probe would "
-            "consume. Pass arrays, a `tf.data.Dataset`, a `keras.utils.PyDataset` or a torch "
-            "DataLoader."
-        )
-
-
-def _probe_batch(model, x, y, batch_size, caller="find_max_microbatch", size_name="batch_size"):
-    """The first `batch_size` examples of `x` as `(x, y, sample_weight)` arrays; `caller`
-    and `size_name` name the function and the size's argument in error messages."""
-    if _is_array_input(x):
-        return (*map_batch(lambda t: t[:batch_size], (x, y)), None)
-    check_not_consumable(x, caller)
-    if y is not None:
-        raise ValueError(f"{caller}: `y` must be None when `x` is a dataset.")
-    if hasattr(x, "element_spec") and _is_unbatched_tf_data(model, x):
-        x = x.batch(batch_size)
-    if isinstance(x, keras.utils.PyDataset):
-        batches = (x[i] for i in range(len(x)))
-    else:
-        try:
-            batches = iter(x)
-        except TypeError:
-            raise TypeError(f"{caller}: unsupported `x` of type {type(x).__name__}.") from None
-    taken, n = [], 0
-    for batch in batches:
-        # A DataLoader yields lists: (x, y) as a list.
-        batch = keras.utils.unpack_x_y_sample_weight(
-            tuple(batch) if isinstance(batch, (list, tuple)) else (batch,)
-        )
-        taken.append(map_batch(keras.ops.convert_to_numpy, batch))
-        n += int(first_tensor(batch).shape[0])
-        if n >= batch_size:
-            break
-    if n < batch_size:
-        raise ValueError(f"{caller}: `x` holds {n} examples, fewer than {size_name}={batch_size}.")
-    joined = keras.tree.map_structure(
-        lambda *ts: None if ts[0] is None else np.concatenate(ts)[:batch_size], *taken
-    )
-    return joined
 
 
 def find_max_microbatch(model: keras.Model, x, y=None, batch_size: int = 32) -> int:
@@ -114,7 +60,7 @@ def find_max_microbatch(model: keras.Model, x, y=None, batch_size: int = 32) -> 
     batch_size = check_int("batch_size", batch_size, minimum=1)
     if getattr(model, "optimizer", None) is None:
         raise ValueError(f"Model '{model.name}' is not compiled: call `model.compile(...)` first.")
-    xb, yb, sw = _probe_batch(model, x, y, batch_size)
+    xb, yb, sw = probe_batch(model, x, y, batch_size, caller="find_max_microbatch")
     probe = model if isinstance(model, LossScaleTrainStep) else loss_scaled(model)
     n = int(first_tensor(xb).shape[0])
     saved, original = _snapshot(probe), probe.microbatches

@@ -17,7 +17,12 @@ import keras
 
 from keras_perf import _keras_internals as keras_internals
 from keras_perf import backend as _backend
-from keras_perf._data_checks import check_no_ignored_settings
+from keras_perf._inputs import (
+    KERAS_DEFAULT_BATCH,
+    check_no_ignored_settings,
+    infer_batch_size,
+    is_array_input,
+)
 from keras_perf._utils import check_int
 from keras_perf.oom import _state
 from keras_perf.oom._rungs import (
@@ -32,9 +37,6 @@ from keras_perf.oom._rungs import (
     ladder,
 )
 from keras_perf.oom._state import (
-    _KERAS_DEFAULT_BATCH,
-    _infer_batch_size,
-    _is_array_input,
     _Replay,
     _RunCallbacks,
     _steps,
@@ -118,14 +120,14 @@ class _Run:
         self.user_callbacks = fit_kwargs.pop("callbacks", None)
         self.verbose = fit_kwargs.pop("verbose", "auto")
         self.fit_kwargs = fit_kwargs
-        self.array_input = _is_array_input(x)
+        self.array_input = is_array_input(x)
         self.weighted = (
             fit_kwargs.get("sample_weight") is not None
             or fit_kwargs.get("class_weight") is not None
         )
         self.batch_size = batch_size
         self.batch = (
-            (batch_size or _KERAS_DEFAULT_BATCH) if self.array_input else _infer_batch_size(x)
+            (batch_size or KERAS_DEFAULT_BATCH) if self.array_input else infer_batch_size(x)
         )
         self.replay = _Replay(x) if isinstance(x, types.GeneratorType) else None
         self.x = x if self.replay is None else self.replay.stream(0)

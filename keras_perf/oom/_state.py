@@ -1,7 +1,7 @@
 """What a retried epoch starts from and reads again: inputs, state snapshot, replay, callbacks.
 
-Read top to bottom: what the run reads from its input `x` (`_is_array_input`,
-`_infer_batch_size`, `_steps`); the state an epoch starts from (`_snapshot`/`_restore`: host
+Read top to bottom: what the run reads from its input `x` (`_steps`; what kind of input it
+is: `keras_perf._inputs`); the state an epoch starts from (`_snapshot`/`_restore`: host
 copies of every variable a train step changes; `_host_random_state`: Python's, NumPy's and
 torch's RNGs, and a DataLoader's own); a Python generator made replayable (`_Replay`, with
 its byte limit `_REPLAY_LIMIT_BYTES`, read at call time so tests patch it here); and
@@ -21,34 +21,11 @@ import numpy as np
 
 from keras_perf import _keras_internals as keras_internals
 from keras_perf import backend as _backend
+from keras_perf._inputs import KERAS_DEFAULT_BATCH, is_array_input
 from keras_perf._utils import first_tensor, iter_layers, map_batch
 from keras_perf.pruning._constraint import constraint_masks
 
 # The input `x`
-
-_KERAS_DEFAULT_BATCH = 32
-
-
-def _is_array_input(x) -> bool:
-    """numpy / backend tensors (or a dict, list or tuple of them): data `fit` batches itself."""
-    leaves = keras.tree.flatten(x) if isinstance(x, (dict, list, tuple)) else [x]
-    return bool(leaves) and all(
-        isinstance(t, np.ndarray) or (hasattr(t, "shape") and hasattr(t, "dtype")) for t in leaves
-    )
-
-
-def _infer_batch_size(x):
-    """The batch size of already-batched data (tf.data, PyDataset, DataLoader), when knowable."""
-    try:
-        spec = getattr(x, "element_spec", None)  # tf.data.Dataset
-        if spec is not None:
-            dim = keras.tree.flatten(spec)[0].shape[0]
-            return int(dim) if dim is not None else None
-        if getattr(x, "batch_size", None) is not None:  # torch DataLoader, PyDataset subclasses
-            return int(x.batch_size)
-    except (TypeError, ValueError, IndexError, AttributeError):
-        pass
-    return None
 
 
 def _steps(x, batch_size, fit_kwargs):
@@ -56,10 +33,10 @@ def _steps(x, batch_size, fit_kwargs):
     if fit_kwargs.get("steps_per_epoch") is not None:
         return fit_kwargs["steps_per_epoch"]
     try:
-        if _is_array_input(x):
+        if is_array_input(x):
             n = int(first_tensor(x).shape[0])
             n = math.floor(n * (1.0 - float(fit_kwargs.get("validation_split") or 0.0)))
-            return math.ceil(n / (batch_size or _KERAS_DEFAULT_BATCH))
+            return math.ceil(n / (batch_size or KERAS_DEFAULT_BATCH))
         return len(x)
     except (TypeError, ValueError, AttributeError, StopIteration):
         return None
@@ -101,7 +78,7 @@ def build_state(model, x, y, sample_weight) -> None:
     unbuilt = not model.built or not all(layer.built for layer in iter_layers(model))
     if not unbuilt and (optimizer is None or optimizer.built):
         return
-    if _is_array_input(x):
+    if is_array_input(x):
         batch = map_batch(lambda t: t[:1], (x, y, sample_weight))
         with _backend.model_scope(model):
             keras_internals.symbolic_build(model, batch)

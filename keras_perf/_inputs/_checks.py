@@ -3,40 +3,29 @@
 Keras finds these problems only inside `fit` (after a tool has made twins, saved state or
 traced a step), and says them in its own words: no examples is a `ZeroDivisionError` in its
 array adapter, a dict missing one of a Functional model's inputs an error from inside the
-model's call. Each check here names the tool, the argument and the fix.
+model's call. Each check here names the tool, the argument and the fix. Also here: a
+generator refused where a probe batch would consume it (`check_not_consumable`), the
+`memory_limit_bytes` a tool caps a step's peak at (`check_memory_limit`), and train-step
+settings set on a plain model, which Keras ignores (`check_no_ignored_settings`).
 """
 
 from __future__ import annotations
 
+import math
+import types
+
 import keras
-import numpy as np
 
 from keras_perf import _keras_internals as keras_internals
-
-
-def _module(x) -> str:
-    return type(x).__module__ or ""
-
-
-def _is_arrays(x) -> bool:
-    leaves = keras.tree.flatten(x) if isinstance(x, (dict, list, tuple)) else [x]
-    return bool(leaves) and all(
-        isinstance(t, np.ndarray) or (hasattr(t, "shape") and hasattr(t, "dtype")) for t in leaves
-    )
-
-
-def _tf_dataset(x) -> bool:
-    return (
-        _module(x).startswith("tensorflow")
-        and hasattr(x, "element_spec")
-        and hasattr(x, "cardinality")
-    )
+from keras_perf import backend as _backend
+from keras_perf._inputs._kinds import is_array_input, is_tf_dataset
+from keras_perf._utils import check_number
 
 
 def _inputs_of(x):
     """The inputs part of `x` where it can be read without consuming anything: the arrays
     themselves, or a tf.data dataset's element spec (its first item when it yields tuples)."""
-    if _tf_dataset(x):
+    if is_tf_dataset(x):
         spec = x.element_spec
         return spec[0] if isinstance(spec, tuple) else spec
     return x
@@ -61,7 +50,7 @@ def check_fit_data(caller: str, model, x) -> None:
     """Raise a `ValueError` naming `x` and the fix where `x` holds no examples (arrays, an empty
     tf.data dataset or PyDataset) or is a dict (or a tf.data dataset of dicts) without one of
     `model`'s inputs. Anything else is left to `fit`'s own checks."""
-    if _is_arrays(x):
+    if is_array_input(x):
         leaves = keras.tree.flatten(x) if isinstance(x, (dict, list, tuple)) else [x]
         shape = getattr(leaves[0], "shape", ())
         if len(shape) > 0 and shape[0] is not None and int(shape[0]) == 0:
@@ -69,7 +58,7 @@ def check_fit_data(caller: str, model, x) -> None:
                 f"{caller}: `x` holds no examples (its arrays have 0 rows); pass the training "
                 "data as for `model.fit`, at least one batch of it."
             )
-    elif _tf_dataset(x) and int(x.cardinality()) == 0:
+    elif is_tf_dataset(x) and int(x.cardinality()) == 0:
         raise ValueError(
             f"{caller}: the tf.data dataset `x` is empty (cardinality 0); pass the training "
             "data as for `model.fit`, at least one batch of it."
@@ -104,6 +93,28 @@ def check_fit_data(caller: str, model, x) -> None:
             f"{sorted(map(str, inputs))}): give `x` one array per model input, keyed by the "
             f"names of its keras.Input layers {required}."
         )
+
+
+def check_not_consumable(x, caller: str) -> None:
+    """Refuse a generator or iterator `x`, which reading a probe batch would consume."""
+    if isinstance(x, types.GeneratorType) or (hasattr(x, "__next__") and iter(x) is x):
+        raise TypeError(
+            f"{caller}: `x` is a generator or iterator, which the probe would "
+            "consume. Pass arrays, a `tf.data.Dataset`, a `keras.utils.PyDataset` or a torch "
+            "DataLoader."
+        )
+
+
+def check_memory_limit(caller: str, memory_limit_bytes) -> int:
+    """`memory_limit_bytes` (not None) as an int: a finite number of bytes above 0, on a backend
+    that can measure a step's peak here (a `ValueError` naming `caller` where it cannot)."""
+    limit = check_number("memory_limit_bytes", memory_limit_bytes, low=0, low_inclusive=False)
+    if not math.isfinite(limit):
+        raise ValueError(f"`memory_limit_bytes` must be finite, got {memory_limit_bytes!r}.")
+    problem = _backend.step_memory_unavailable()
+    if problem is not None:
+        raise ValueError(f"{caller}(memory_limit_bytes=...): {problem}")
+    return int(limit)
 
 
 # keras-perf's train-step settings: attributes a plain Keras model has no use for.

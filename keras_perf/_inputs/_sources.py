@@ -1,4 +1,4 @@
-"""What `diagnose` reads: the user's training data, as `fit` takes it, behind one interface.
+"""The user's training data, as `fit` takes it, behind one interface (`diagnose`, `accelerate`).
 
 A `Source` answers three questions the measurements ask: what to pass to `fit` to train on the
 user's own data and settings (`fit_kwargs`), how long pulling batches takes by itself (`take`),
@@ -16,13 +16,8 @@ import time
 import keras
 import numpy as np
 
+from keras_perf._inputs._kinds import KERAS_DEFAULT_BATCH, is_array_input, module_of
 from keras_perf._utils import first_tensor
-
-KERAS_DEFAULT_BATCH = 32
-
-
-def _module(x) -> str:
-    return type(x).__module__ or ""
 
 
 def _to_numpy(batch):
@@ -35,14 +30,6 @@ def _leading(batch) -> int | None:
         return int(first_tensor(x).shape[0])
     except (TypeError, AttributeError, IndexError, StopIteration):
         return None
-
-
-def is_array_input(x) -> bool:
-    """numpy arrays / backend tensors, or a dict, list or tuple of them."""
-    leaves = keras.tree.flatten(x) if isinstance(x, (dict, list, tuple)) else [x]
-    return bool(leaves) and all(
-        isinstance(t, np.ndarray) or (hasattr(t, "shape") and hasattr(t, "dtype")) for t in leaves
-    )
 
 
 class Source:
@@ -73,7 +60,7 @@ class Source:
 class ArraySource(Source):
     kind = "arrays"
 
-    def __init__(self, x, y, batch_size):
+    def __init__(self, x, y, batch_size, caller="diagnose"):
         self.x, self.y = x, y
         self.batch_size = batch_size or KERAS_DEFAULT_BATCH
         n = int(first_tensor(x).shape[0])
@@ -83,16 +70,16 @@ class ArraySource(Source):
             for leaf in keras.tree.flatten(part):
                 if int(leaf.shape[0]) != n:
                     raise ValueError(
-                        f"diagnose: `x` has {n} examples but `{name}` has {int(leaf.shape[0])}; "
+                        f"{caller}: `x` has {n} examples but `{name}` has {int(leaf.shape[0])}; "
                         "fit needs the same number in both."
                     )
         for leaf in keras.tree.flatten(x):
             if int(leaf.shape[0]) != n:
                 raise ValueError(
-                    f"diagnose: the arrays in `x` differ in length ({n} and {int(leaf.shape[0])})."
+                    f"{caller}: the arrays in `x` differ in length ({n} and {int(leaf.shape[0])})."
                 )
         if n < 1:
-            raise ValueError("diagnose: `x` holds no examples.")
+            raise ValueError(f"{caller}: `x` holds no examples.")
         self.examples = n
         self.batches_per_epoch = max(n // self.batch_size, 1)
 
@@ -163,46 +150,47 @@ def _length(x, kind) -> int | None:
         return None
 
 
-def make_source(x, y, batch_size, steps) -> Source:
-    """Sort the data into one of the kinds fit takes; raise what fit would raise, early."""
+def make_source(x, y, batch_size, steps, caller="diagnose") -> Source:
+    """Sort the data into one of the kinds fit takes; raise what fit would raise, early, naming
+    `caller` (the tool)."""
     if x is None:
-        raise ValueError("diagnose: `x` is None; pass the data you give `model.fit`.")
+        raise ValueError(f"{caller}: `x` is None; pass the data you give `model.fit`.")
     batched = None
     if isinstance(x, keras.utils.PyDataset):
         batched = "PyDataset"
     elif inspect.isgenerator(x) or (hasattr(x, "__next__") and iter(x) is x):
         # Before tf.data: `iter(dataset)` has an `element_spec` too, but is read once.
         batched = "generator"
-    elif _module(x).startswith("tensorflow") and hasattr(x, "element_spec"):
+    elif module_of(x).startswith("tensorflow") and hasattr(x, "element_spec"):
         batched = "tf.data"
-    elif _module(x).startswith("torch.utils.data"):
+    elif module_of(x).startswith("torch.utils.data"):
         batched = "DataLoader"
     if batched is not None:
         if y is not None:
             raise ValueError(
-                f"diagnose: `y` must be None when `x` is a {batched} (it yields the targets "
+                f"{caller}: `y` must be None when `x` is a {batched} (it yields the targets "
                 f"itself), as in fit; got `y` of type {type(y).__name__}."
             )
         if batch_size is not None:
             raise ValueError(
-                f"diagnose: `batch_size` must be None when `x` is a {batched} (it yields batches "
+                f"{caller}: `batch_size` must be None when `x` is a {batched} (it yields batches "
                 f"already), as in fit; got {batch_size!r}."
             )
         if batched == "generator":
             return OnePassSource(x, steps)
         source = RestartableSource(x, batched)
         if source.batches_per_epoch == 0:
-            raise ValueError(f"diagnose: the {batched} `x` is empty.")
+            raise ValueError(f"{caller}: the {batched} `x` is empty.")
         return source
     if isinstance(x, (str, bytes)) or not is_array_input(x):
         raise TypeError(
-            "diagnose: `x` must be what `fit` takes: NumPy arrays or tensors (or a dict/list of "
+            f"{caller}: `x` must be what `fit` takes: NumPy arrays or tensors (or a dict/list of "
             "them), a tf.data.Dataset, a keras.utils.PyDataset, a torch DataLoader or a "
             f"generator; got {type(x).__name__}."
         )
     if y is not None and not is_array_input(y):
-        raise TypeError(f"diagnose: `y` must be arrays like `x`; got {type(y).__name__}.")
-    return ArraySource(x, y, batch_size)
+        raise TypeError(f"{caller}: `y` must be arrays like `x`; got {type(y).__name__}.")
+    return ArraySource(x, y, batch_size, caller)
 
 
 def stack(batches: list, batch_size: int):

@@ -43,15 +43,17 @@ EXECUTED = [
 @pytest.mark.slow
 @pytest.mark.backends("tensorflow")
 @pytest.mark.parametrize("path", EXECUTED)
-def test_notebook_executes(path, monkeypatch):
+def test_notebook_executes(path, monkeypatch, tmp_path):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     monkeypatch.setenv("KERAS_BACKEND", "tensorflow")
     monkeypatch.setenv("MPLBACKEND", "Agg")
     monkeypatch.setenv("PYTHONPATH", str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     nb = nbformat.read(path, as_version=4)
+    # The kernel runs in a fresh folder: the notebooks write files (plots, models, logs), which
+    # must not land in the checkout (a failed run once left its plots there).
     client = nbclient.NotebookClient(
-        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}
+        nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}
     )
     client.execute()  # raises CellExecutionError, with the cell and traceback, on failure
     errors = [

@@ -53,6 +53,8 @@ __all__ = [
     "metric_direction",
     "optimizer_iterations",
     "output_structure",
+    "producer",
+    "producing_node",
     "run_through_graph",
     "scale_loss_for_distribution",
     "set_initial_epoch",
@@ -148,6 +150,23 @@ def set_initial_epoch(model, epoch: int | None) -> None:
     Keras never clears it: a later `fit` of the same model starts there too, unless it is
     set back to None."""
     model._initial_epoch = epoch
+
+
+# -- Functional graphs ---------------------------------------------------------------------
+def producer(tensor):
+    """The operation (a layer, or a raw `keras.ops` call) that produced a symbolic tensor of a
+    Functional graph (`KerasTensor._keras_history.operation`), or None for a tensor without
+    one. Checked on Keras 3.8-3.15."""
+    history = getattr(tensor, "_keras_history", None)
+    return None if history is None else history.operation
+
+
+def producing_node(tensor):
+    """The graph `Node` that produced a symbolic tensor: its operation's inbound node at the
+    index `_keras_history` records (`Operation._inbound_nodes`); read its public
+    `input_tensors`/`output_tensors`. Checked on Keras 3.8-3.15."""
+    op, node_index, _ = tensor._keras_history
+    return op._inbound_nodes[node_index]
 
 
 # -- layers --------------------------------------------------------------------------------

@@ -21,8 +21,8 @@ from __future__ import annotations
 import keras
 import numpy as np
 
+from keras_perf._fit_measure import RandomState
 from keras_perf._utils import iter_layers
-from keras_perf.diagnosis._measure import RandomState
 
 STEPS = 4
 RTOL, ATOL = 1e-5, 1e-6

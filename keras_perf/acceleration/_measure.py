@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from keras_perf.diagnosis._measure import fit_steps
+from keras_perf._fit_measure import fit_steps
 
 MIN_ROUNDS, MAX_ROUNDS = 2, 9
 

@@ -6,7 +6,11 @@ Each function names the private attribute it touches and why it is needed; the p
 `keras.src` imports are here too, each with the Keras versions it was checked on.
 
 Backend-neutral and on the ground floor of the package: it imports Keras only, never
-`keras_perf.backend` or anything above it (tests/test_imports.py checks that).
+`keras_perf.backend` or anything above it (tests/test_imports.py checks that, and that no other
+module imports `keras.src` or reads `_keras_history`/`_inbound_nodes`/`_outbound_nodes`). It
+stays here rather than in `keras_perf/backend/` (decided for issue 42): `backend/` holds what
+differs per Keras backend, and nothing here does; the ground floor (`_utils`) and the shared
+train step (`train_step/_base.py`), which must not reach `backend/`, read it.
 """
 
 from __future__ import annotations

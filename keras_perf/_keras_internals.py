@@ -6,7 +6,11 @@ Each function names the private attribute it touches and why it is needed; the p
 `keras.src` imports are here too, each with the Keras versions it was checked on.
 
 Backend-neutral and on the ground floor of the package: it imports Keras only, never
-`keras_perf.backend` or anything above it (tests/test_imports.py checks that).
+`keras_perf.backend` or anything above it (tests/test_imports.py checks that, and that no other
+module imports `keras.src` or reads `_keras_history`/`_inbound_nodes`/`_outbound_nodes`). It
+stays here rather than in `keras_perf/backend/` (decided for issue 42): `backend/` holds what
+differs per Keras backend, and nothing here does; the ground floor (`_utils`) and the shared
+train step (`train_step/_base.py`), which must not reach `backend/`, read it.
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ __all__ = [
     "metric_direction",
     "optimizer_iterations",
     "output_structure",
+    "producer",
+    "producing_node",
     "run_through_graph",
     "scale_loss_for_distribution",
     "set_initial_epoch",
@@ -148,6 +154,30 @@ def set_initial_epoch(model, epoch: int | None) -> None:
     Keras never clears it: a later `fit` of the same model starts there too, unless it is
     set back to None."""
     model._initial_epoch = epoch
+
+
+# -- Functional graphs ---------------------------------------------------------------------
+def producer(tensor):
+    """The operation (a layer, or a raw `keras.ops` call) that produced a symbolic tensor of a
+    Functional graph (`KerasTensor._keras_history.operation`), or None for a tensor without
+    one. Checked on Keras 3.8-3.15."""
+    history = getattr(tensor, "_keras_history", None)
+    return None if history is None else history.operation
+
+
+def producing_node(tensor):
+    """The graph `Node` that produced a symbolic tensor: its operation's inbound node at the
+    index `_keras_history` records (`Operation._inbound_nodes`); read its public
+    `input_tensors`/`output_tensors`. Checked on Keras 3.8-3.15."""
+    op, node_index, _ = tensor._keras_history
+    return op._inbound_nodes[node_index]
+
+
+def consumers(layer) -> list:
+    """The operations that take `layer`'s outputs in a Functional graph (each outbound node's
+    `operation`, `Operation._outbound_nodes`). Checked on Keras 3.8-3.15."""
+    nodes = getattr(layer, "_outbound_nodes", None) or []
+    return [n.operation for n in nodes if getattr(n, "operation", None) is not None]
 
 
 # -- layers --------------------------------------------------------------------------------

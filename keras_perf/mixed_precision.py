@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import keras
 
+from keras_perf import _keras_internals as keras_internals
 from keras_perf._utils import check_choice, iter_layers
 from keras_perf.precision import auto_policy, precision_report, slower_than_float32
 
@@ -63,10 +64,9 @@ def _output_layers(model) -> list:
     layers = []
     if outputs:
         for t in outputs:
-            # KerasTensor records the operation that produced it in `_keras_history`.
-            history = getattr(t, "_keras_history", None)
-            if history is not None and isinstance(history[0], keras.layers.Layer):
-                layers.append(history[0])
+            op = keras_internals.producer(t)
+            if isinstance(op, keras.layers.Layer):
+                layers.append(op)
     if not layers and getattr(model, "layers", None):
         layers.append(model.layers[-1])
     return layers

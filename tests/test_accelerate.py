@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import keras_perf as kp
+from keras_perf._fit_measure import compile_args, compile_twin
 from keras_perf.acceleration import _apply, _exact
-from keras_perf.diagnosis._measure import compile_args, compile_twin
 from tests import models
 
 BACKEND = keras.backend.backend()

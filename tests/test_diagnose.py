@@ -193,8 +193,8 @@ def test_tf_data_cache_not_tried_on_an_infinite_dataset(digits):
 def _pretend_gpu(monkeypatch, compute_capability=(8, 0), memory_bytes=80 * 2**30, peak=None):
     """A GPU in the device list (the steps still run on the CPU) and, with `peak`, a peak
     memory reading of that many bytes."""
+    from keras_perf import _fit_measure as _measure
     from keras_perf import backend as _backend
-    from keras_perf.diagnosis import _measure
 
     gpu = {
         "name": "pretended GPU",
@@ -224,7 +224,7 @@ def _only(monkeypatch, *prefixes):
 def _record_fits(monkeypatch):
     """The models `diagnose`'s timed fits ran on: (dtype policy, microbatches, remat,
     batch_size)."""
-    from keras_perf.diagnosis import _measure
+    from keras_perf import _fit_measure as _measure
 
     seen, fit_steps = [], _measure.fit_steps
 
@@ -391,7 +391,7 @@ def _memory_mlp():
 def _peak_alone(model, x, y, size, **settings):
     """The step peak of `model` (a clone behind kp.loss_scaled with `settings`) at `size`
     examples, measured on its own as diagnose measures each what-if."""
-    from keras_perf.diagnosis import _measure
+    from keras_perf import _fit_measure as _measure
 
     clone = keras.models.clone_model(model)
     clone.set_weights(model.get_weights())
@@ -850,7 +850,7 @@ class SlowWrapUp(keras.Sequential):
 def test_whole_epoch_timing_counts_what_a_fit_pays_after_its_epochs(digits):
     """A multi-epoch training pays each epoch's teardown; the figure diagnose compares must too
     (timed per epoch alone, it missed TF's iterator teardown: 1.19x predicted, 1.74x real)."""
-    from keras_perf.diagnosis import _measure
+    from keras_perf import _fit_measure as _measure
 
     (x, y), _ = digits
     model = SlowWrapUp([keras.Input((64,)), keras.layers.Dense(10)])

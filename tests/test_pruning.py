@@ -8,7 +8,7 @@ import pytest
 
 import keras_perf as kp
 from keras_perf._layer_selection import check_selectors
-from keras_perf.pruning._constraint import _MaskConstraint
+from keras_perf._masks import MaskConstraint
 from keras_perf.pruning._masks import _magnitude_masks
 from keras_perf.pruning._selection import _select
 from tests import models
@@ -602,7 +602,7 @@ def test_prune_low_magnitude_then_fit_keeps_zeros_until_strip(digits):
     model.fit(x[:128], y[:128], epochs=1, verbose=0)
     assert kp.sparsity_report(model)["total"]["sparsity"] == pytest.approx(0.75, abs=0.01)
     kp.strip_pruning(model)
-    assert not any(isinstance(v.constraint, _MaskConstraint) for v in model.weights)
+    assert not any(isinstance(v.constraint, MaskConstraint) for v in model.weights)
     model.fit(x[:128], y[:128], epochs=1, verbose=0)
     # A plain model again: zeros regrow (except rows of the always-blank digit pixels).
     assert kp.sparsity_report(model)["total"]["sparsity"] < 0.3

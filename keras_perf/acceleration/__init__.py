@@ -13,12 +13,12 @@ import warnings
 import keras
 import numpy as np
 
+from keras_perf import _fit_measure as _dmeasure
 from keras_perf._inputs import check_fit_data, check_no_ignored_settings
 from keras_perf._inputs import sources as _data
 from keras_perf._utils import KerasPerfWarning, check_bool, check_int, check_number
 from keras_perf.acceleration import _apply, _candidates, _exact, _measure
 from keras_perf.acceleration._report import Acceleration
-from keras_perf.diagnosis import _measure as _dmeasure
 
 __all__ = ["Acceleration", "accelerate"]
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 import keras
 
 from keras_perf import backend as _backend
+from keras_perf._fit_measure import compile_twin, make_twin, policy_twin
 from keras_perf.acceleration import _apply
 from keras_perf.acceleration._apply import NOT_AVAILABLE, Unavailable, torch_traced
-from keras_perf.diagnosis._measure import compile_twin, make_twin, policy_twin
 
 # `steps_per_execution` values tried (capped by the steps of one measurement).
 SPE_VALUES = (4, 16, 64)

@@ -21,8 +21,9 @@ from __future__ import annotations
 import keras
 import numpy as np
 
+from keras_perf import _keras_internals as keras_internals
+from keras_perf._fit_measure import RandomState
 from keras_perf._utils import iter_layers
-from keras_perf.diagnosis._measure import RandomState
 
 STEPS = 4
 RTOL, ATOL = 1e-5, 1e-6
@@ -44,12 +45,7 @@ def no_dropout(model) -> None:
 
 
 def _successors(layer) -> list:
-    out = []
-    for node in getattr(layer, "_outbound_nodes", []) or []:
-        op = getattr(node, "operation", None)
-        if op is not None:
-            out.append(op)
-    return out
+    return keras_internals.consumers(layer)
 
 
 def biases_before_batchnorm(model) -> set:

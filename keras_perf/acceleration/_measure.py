@@ -5,7 +5,7 @@ not counted against `max_seconds`). Then fits of the same number of steps run in
 A B B A order (each round reverses the order of the one before, so that a slow spell of the
 machine does not fall on one candidate), until the time budget is spent (at least 2 rounds,
 at most 9). Each candidate's figure is the median of its seconds per step, timed as
-`kp.diagnose` times a fit (`diagnosis._measure.fit_steps`: from the first batch's start to the
+`kp.diagnose` times a fit (`keras_perf._fit_measure.fit_steps`: from the first batch's start to the
 last step's end).
 """
 
@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from keras_perf.diagnosis._measure import fit_steps
+from keras_perf._fit_measure import fit_steps
 
 MIN_ROUNDS, MAX_ROUNDS = 2, 9
 

@@ -7,15 +7,14 @@ import numpy as np
 from keras import ops
 
 from keras_perf._layer_selection import check_selectors
+from keras_perf._masks import MaskConstraint
 from keras_perf._utils import check_choice, check_int
 from keras_perf.channel_pruning import _select
 from keras_perf.channel_pruning._graph import ChannelGraph, ChannelGraphError
-from keras_perf.pruning._base import _MaskingCallback
-from keras_perf.pruning._constraint import _MaskConstraint
-from keras_perf.pruning._schedules import PruningSchedule
+from keras_perf.pruning import MaskingCallback, PruningSchedule
 
 
-class _ChannelMask(_MaskConstraint):
+class _ChannelMask(MaskConstraint):
     """Pruning's mask constraint (`w -> mask * original(w)`), as its own type so that channel
     masks and magnitude-pruning masks are told apart on one model."""
 
@@ -32,7 +31,7 @@ def _mask_array(graph, w, removed) -> np.ndarray:
 
 
 @keras.saving.register_keras_serializable(package="keras_perf")
-class ChannelPruningCallback(_MaskingCallback):
+class ChannelPruningCallback(MaskingCallback):
     """Structured pruning: remove whole output channels, following a pruning schedule.
 
     At the start of `fit` the Functional (or Sequential) graph is walked to find which layers

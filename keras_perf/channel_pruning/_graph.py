@@ -14,9 +14,9 @@ axis, as a NumPy array (`-1`: a channel no producer owns, e.g. of a model input)
 Slots united by a merge are one *channel* (union-find); producers whose channels are united,
 and the producer's own channels, form one *group*: pruned together, or not at all.
 
-Graph access uses Keras' node attributes (`KerasTensor._keras_history`,
-`Operation._inbound_nodes`, `Node.input_tensors`/`output_tensors`): attributes, no private
-import; checked on Keras 3.8-3.15.
+Graph access: a tensor's producer and producing node are read through
+`keras_perf._keras_internals` (`producer`, `producing_node`: Keras' private `_keras_history`
+and `_inbound_nodes`), then the node's public `input_tensors`/`output_tensors`.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import keras
 import numpy as np
 
+from keras_perf import _keras_internals as keras_internals
 from keras_perf import backend as _backend
 
 L = keras.layers
@@ -136,7 +137,7 @@ class ChannelGraph:
         inputs = [self._fixed(_last_dim(t)) for t in model.inputs]
         outputs = self._walk(model, inputs)
         for t, arr in zip(keras.tree.flatten(model.outputs), outputs):
-            name = t._keras_history.operation.name
+            name = keras_internals.producer(t).name
             self._block(arr, f"it reaches the model output of {name!r}, which keeps its width")
         self._make_groups()
 
@@ -449,8 +450,7 @@ def _topological_nodes(model, env) -> list:
         t, expanded = stack.pop()
         if id(t) in env:
             continue
-        op, node_index, _ = t._keras_history
-        node = op._inbound_nodes[node_index]
+        node = keras_internals.producing_node(t)
         if id(node) in done:
             continue
         if expanded:

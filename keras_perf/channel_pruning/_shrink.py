@@ -6,6 +6,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_perf import _keras_internals as keras_internals
 from keras_perf._carry_over import copy_layer_state, finalize_state, keep_train_step
 from keras_perf.channel_pruning import _select
 from keras_perf.channel_pruning._graph import ChannelGraph, ChannelGraphError
@@ -77,7 +78,7 @@ def shrink(model):
             slots = graph.input_slots.get(id(t))
             if slots is not None and shape:
                 shape[-1] = int(_select.keep_vector(graph, slots, removed).sum())
-            name = t._keras_history.operation.name  # the input keeps its name
+            name = keras_internals.producer(t).name  # the input keeps its name
             return keras.Input(batch_shape=tuple(shape), dtype=t.dtype, name=name)
 
         return keras.tree.map_structure(

@@ -224,7 +224,7 @@ def deployment(demo, model) -> None:
     """`kp.inference_report` on the teacher: Keras `predict` vs TFLite/ONNX float and int8,
     at batch 1 and 64; per batch size the fastest float and the fastest int8 file."""
     import keras_perf as kp
-    from keras_perf.export._inference_report import available_formats
+    from keras_perf.export import available_formats
 
     formats = available_formats(model)
     say(demo, f"\n[deployment] {', '.join(formats)} at batch 1 and {BATCH} ...")

@@ -8,11 +8,12 @@ import time
 import keras
 import numpy as np
 
+from keras_perf import _fit_measure as _measure
 from keras_perf import backend as _backend
 from keras_perf._inputs import check_fit_data, check_memory_limit, check_no_ignored_settings
 from keras_perf._inputs import sources as _data
 from keras_perf._utils import check_bool, check_int, check_number
-from keras_perf.diagnosis import _measure, _trial
+from keras_perf.diagnosis import _trial
 from keras_perf.diagnosis._report import Diagnosis
 
 # Share of the budget for the four baseline measurements when what-ifs follow.

@@ -13,8 +13,9 @@ import time
 import keras
 import numpy as np
 
+from keras_perf import _fit_measure as _measure
 from keras_perf import backend as _backend
-from keras_perf.diagnosis import _measure, _what_if
+from keras_perf.diagnosis import _what_if
 
 
 class _Context:

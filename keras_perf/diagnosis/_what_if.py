@@ -13,7 +13,7 @@ from __future__ import annotations
 import keras
 
 from keras_perf import backend as _backend
-from keras_perf.diagnosis._measure import compile_twin
+from keras_perf._fit_measure import compile_twin
 
 
 class Change:
@@ -171,7 +171,7 @@ def memory_changes(ctx, size, notes) -> list:
     the order of `kp.fit_with_oom_retry`'s ladder (remat first for a model with
     BatchNormalization, whose statistics it keeps exact; micro-batching first otherwise),
     so that the exact one is timed first when the budget is short."""
-    from keras_perf.oom._rungs import batch_dependent
+    from keras_perf.oom import batch_dependent
 
     changes = [microbatch_change(ctx, size, notes), remat_change(ctx, size, notes)]
     if batch_dependent(ctx.twin):
@@ -431,7 +431,7 @@ def microbatch_change(ctx, big, notes) -> Change | None:
     """A batch of `big` in slices (`kp.loss_scaled(..., microbatches=k)`): at twice the batch,
     the examples/s of the larger batch at about the activation memory of the current one; at
     the current batch, about half its activation memory."""
-    from keras_perf.oom._rungs import batch_dependent
+    from keras_perf.oom import batch_dependent
     from keras_perf.train_step import loss_scaled
 
     twin, B = ctx.twin, ctx.batch_size

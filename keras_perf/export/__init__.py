@@ -27,6 +27,10 @@ from __future__ import annotations
 from keras_perf.export._compression import compression_report
 from keras_perf.export._convert import export_tflite
 from keras_perf.export._inference_report import InferenceReport, inference_report
+
+# Package-internal (not in `__all__`): the formats `inference_report` can time on this
+# install, which the demo's deployment lever names before it runs the report.
+from keras_perf.export._inference_report import available_formats as available_formats
 from keras_perf.export._onnx import export_onnx
 from keras_perf.export._onnx_predict import onnx_predict
 from keras_perf.export._predict import tflite_predict

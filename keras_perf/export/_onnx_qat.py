@@ -29,10 +29,15 @@ import numpy as np
 from keras_perf import _keras_internals as keras_internals
 from keras_perf._utils import iter_layers
 from keras_perf.backend import onnx as _onnx
-from keras_perf.quantization._layers import QUANTIZED_CLASSES, QuantizedKernelMixin
-from keras_perf.quantization._model import check_learned_ranges
-from keras_perf.quantization._quantizers import ActivationQuantizer, fake_quant_kernel
-from keras_perf.quantization._wrap import _function_name, _graph
+from keras_perf.quantization import (
+    QUANTIZED_CLASSES,
+    ActivationQuantizer,
+    QuantizedKernelMixin,
+    check_learned_ranges,
+    fake_quant_kernel,
+)
+from keras_perf.quantization import function_name as _function_name
+from keras_perf.quantization import layer_graph as _graph
 
 _FLOAT_CLASSES = {v: k for k, v in QUANTIZED_CLASSES.items()}
 _QAT_KEYS = ("weight_bits", "per_channel", "sparsity_mask", "activation_quantizer")

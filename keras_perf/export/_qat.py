@@ -27,8 +27,7 @@ from keras_perf.export._checks import _check_path, _input_specs, refuse_reduced_
 from keras_perf.export._errors import RECURRENT, describe_layers, graph_layers, select_tf_ops_error
 from keras_perf.export._metadata import METADATA_NAME, _report
 from keras_perf.export._tensorflow_process import _export_via_tensorflow_process
-from keras_perf.quantization import ActivationQuantizer
-from keras_perf.quantization._model import check_learned_ranges, constant_kernels
+from keras_perf.quantization import ActivationQuantizer, check_learned_ranges, constant_kernels
 
 
 def export_quantized(

@@ -59,6 +59,12 @@ from keras_perf.oom._retry import fit_with_oom_retry
 # Importable from here as before the split (pickles name `keras_perf.oom.PerUpdateSchedule`).
 from keras_perf.oom._rungs import PerUpdateSchedule  # noqa: F401
 
+# Package-internal (not in `__all__`), as optax re-exports its internals: whether a model has
+# layers that compute with the whole batch, which picks the OOM ladder's first rung here and
+# `diagnose`'s micro-batch what-if. It stays with the ladder it was written for; diagnosis
+# imports it from this package, never from `_rungs`.
+from keras_perf.oom._rungs import batch_dependent as batch_dependent
+
 __all__ = [
     "MEASURES",
     "MaxBatchSizeReport",

@@ -22,8 +22,8 @@ import numpy as np
 from keras_perf import _keras_internals as keras_internals
 from keras_perf import backend as _backend
 from keras_perf._inputs import KERAS_DEFAULT_BATCH, is_array_input
+from keras_perf._masks import constraint_masks
 from keras_perf._utils import first_tensor, iter_layers, map_batch
-from keras_perf.pruning._constraint import constraint_masks
 
 # The input `x`
 

@@ -19,12 +19,18 @@ Public names: `PolynomialDecay`, `ConstantSparsity`, `PruningSchedule`, `Pruning
 The parts: `_schedules` (when and how much; `_polynomial` has tfmot's float32 arithmetic),
 `_selection` (which weights; the `include`/`exclude` rules shared with quantization and channel
 pruning are `keras_perf._layer_selection`), `_masks` (which entries of them), `_constraint` (how
-a mask is held on a weight), `_base` (the schedule stepping shared with
-`ChannelPruningCallback`), `_callback` (`PruningCallback`) and `_oneshot` (the functions).
+masks are installed; the constraint class, shared, is `keras_perf._masks`), `_base`
+(`MaskingCallback`, the schedule stepping shared with `ChannelPruningCallback`, re-exported
+below for it), `_callback` (`PruningCallback`) and `_oneshot` (the functions).
 """
 
 from __future__ import annotations
 
+# `MaskingCallback as MaskingCallback` is package-internal (not in `__all__`, not in API.md),
+# as optax re-exports its internals: the schedule stepping `keras_perf.channel_pruning` builds its callback on. It stays here, not on
+# the ground floor, because it is pruning's own stepping (schedules, mask refresh, the
+# backend's step state); the mask constraint itself is `keras_perf._masks`.
+from keras_perf.pruning._base import MaskingCallback as MaskingCallback
 from keras_perf.pruning._callback import PruningCallback
 from keras_perf.pruning._oneshot import prune_low_magnitude, sparsity_report, strip_pruning
 from keras_perf.pruning._schedules import ConstantSparsity, PolynomialDecay, PruningSchedule

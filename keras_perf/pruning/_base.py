@@ -1,4 +1,4 @@
-"""`_MaskingCallback`: the schedule stepping shared by `PruningCallback` and `ChannelPruningCallback`.
+"""`MaskingCallback`: the schedule stepping shared by `PruningCallback` and `ChannelPruningCallback`.
 
 Both callbacks hold 0/1 masks in variables installed as weight constraints, and recompute them
 at the steps a pruning schedule names. What they share lives here once:
@@ -27,7 +27,7 @@ from keras_perf.pruning._constraint import _refresh_train_step
 from keras_perf.pruning._schedules import scheduled
 
 
-class _MaskingCallback(keras.callbacks.Callback):
+class MaskingCallback(keras.callbacks.Callback):
     """Base of the masking callbacks: schedule stepping and the masks' place in the step."""
 
     def __init__(self):

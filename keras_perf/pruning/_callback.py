@@ -14,7 +14,7 @@ from keras_perf._layer_selection import (
 )
 from keras_perf._tensorboard import ScalarWriter, require_writer
 from keras_perf._utils import check_choice, check_int, warn
-from keras_perf.pruning._base import _MaskingCallback
+from keras_perf.pruning._base import MaskingCallback
 from keras_perf.pruning._constraint import (
     _apply_masks,
     _guard_set_weights,
@@ -27,7 +27,7 @@ from keras_perf.pruning._selection import _relative_path, _select, _Target
 
 
 @keras.saving.register_keras_serializable(package="keras_perf", name="PruningCallback")
-class PruningCallback(_MaskingCallback):
+class PruningCallback(MaskingCallback):
     """Magnitude pruning during `fit`, on the model as it is: no wrapping or recompiling.
 
     At the first epoch the callback finds the prunable weights (tfmot's defaults: kernels of

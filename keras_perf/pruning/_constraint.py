@@ -1,4 +1,8 @@
-"""How masks are held on the model: a mask variable per weight, installed as its constraint."""
+"""How pruning installs masks on a model: a mask variable per weight, held as its constraint.
+
+The constraint itself (`MaskConstraint`, `constraint_masks`) is on the ground floor,
+`keras_perf._masks`, shared with channel pruning, quantization and the OOM retry.
+"""
 
 from __future__ import annotations
 
@@ -7,33 +11,7 @@ import numpy as np
 from keras import ops
 
 from keras_perf import backend as _backend
-
-
-class _MaskConstraint:
-    """Variable constraint `w -> mask * original(w)`: run by the optimizer after each update.
-
-    Not a public class and never serialized: layers serialize their own `kernel_constraint`,
-    not the variable's, so a saved model stays a plain Keras model.
-    """
-
-    def __init__(self, mask: keras.Variable, original=None):
-        self.mask = mask
-        self.original = original
-
-    def __call__(self, w):
-        if self.original is not None:
-            w = self.original(w)
-        return ops.multiply(w, ops.cast(self.mask, w.dtype))
-
-
-def constraint_masks(variable) -> list:
-    """The mask variables installed on `variable` by pruning (magnitude and channel masks
-    chain through each other's `original`), outermost first; [] when it has none."""
-    masks, constraint = [], getattr(variable, "constraint", None)
-    while isinstance(constraint, _MaskConstraint):
-        masks.append(constraint.mask)
-        constraint = constraint.original
-    return masks
+from keras_perf._masks import MaskConstraint
 
 
 def _refresh_train_step(
@@ -62,7 +40,7 @@ def _install(targets, initial=None, derive_from_zeros: bool = False) -> bool:
     changed = False
     for t in targets:
         current = t.variable.constraint
-        if isinstance(current, _MaskConstraint):
+        if isinstance(current, MaskConstraint):
             t.mask = current.mask
             continue
         if initial is not None and t.path in initial:
@@ -76,7 +54,7 @@ def _install(targets, initial=None, derive_from_zeros: bool = False) -> bool:
         t.mask = keras.Variable(
             value, dtype=t.variable.dtype, trainable=False, autocast=False, name="prune_mask"
         )
-        t.variable.constraint = _MaskConstraint(t.mask, current)
+        t.variable.constraint = MaskConstraint(t.mask, current)
         changed = True
     return changed
 
@@ -97,7 +75,7 @@ def _guard_set_weights(model) -> None:
     def set_weights(weights):
         plain(model, weights)
         for v in model.weights:
-            if isinstance(v.constraint, _MaskConstraint):
+            if isinstance(v.constraint, MaskConstraint):
                 _zero_pruned(v, v.constraint.mask)
 
     set_weights._kp_pruning_guard = True

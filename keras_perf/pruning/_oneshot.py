@@ -6,12 +6,12 @@ import numpy as np
 from keras import ops
 
 from keras_perf._layer_selection import check_selectors
+from keras_perf._masks import MaskConstraint
 from keras_perf._utils import check_choice
 from keras_perf.pruning._constraint import (
     _apply_masks,
     _guard_set_weights,
     _install,
-    _MaskConstraint,
     _refresh_train_step,
     _unguard_set_weights,
     _zero_pruned,
@@ -90,7 +90,7 @@ def strip_pruning(model):
     stripped = False
     for v in model.weights:
         c = v.constraint
-        if isinstance(c, _MaskConstraint):
+        if isinstance(c, MaskConstraint):
             _zero_pruned(v, c.mask)
             v.constraint = c.original
             stripped = True

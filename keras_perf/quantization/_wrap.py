@@ -15,8 +15,8 @@ import numpy as np
 
 from keras_perf._carry_over import copy_layer_state, keep_train_step
 from keras_perf._layer_selection import check_selectors, matches_layer
+from keras_perf._masks import MaskConstraint
 from keras_perf._utils import check_bool, check_number
-from keras_perf.pruning._constraint import _MaskConstraint
 from keras_perf.quantization._layers import QUANTIZED_CLASSES, QuantizedKernelMixin
 from keras_perf.quantization._quantizers import (
     ACTIVATION_BITS,
@@ -209,7 +209,7 @@ def _history(obj, found):
             _history(v, found)
 
 
-def _graph(model):
+def layer_graph(model):
     """(layers in order, name -> list of consumer names (one per edge), output names, names
     of the layers called more than once). Functional "layers" include raw `keras.ops` calls
     on symbolic tensors (e.g. `ops.ones_like(x)`), which are operations but not layers."""
@@ -252,11 +252,13 @@ def _activation_name(layer) -> str | None:
             return "leaky"
         return {None: "relu", 6.0: "relu6"}.get(c.get("max_value"), "clipped")
     if isinstance(layer, keras.layers.Activation):
-        return _function_name(layer.activation)
+        return function_name(layer.activation)
     return None
 
 
-def _function_name(fn) -> str:
+def function_name(fn) -> str:
+    """The serialized name of an activation function ("linear" for None, "custom" when Keras
+    cannot name it): how quantization and the ONNX QAT export decide what fuses."""
     if fn is None:
         return "linear"
     name = keras.activations.serialize(fn)
@@ -272,17 +274,17 @@ def _is_kernel_layer(layer) -> bool:
 def _split_activation(layer) -> bool:
     """A kernel layer whose activation TFLite does not fuse (softmax, tanh...): its output
     before the activation is a tensor of its own in the int8 file and needs a range."""
-    return _is_kernel_layer(layer) and _function_name(layer.activation) not in _FUSED_ACTIVATIONS
+    return _is_kernel_layer(layer) and function_name(layer.activation) not in _FUSED_ACTIVATIONS
 
 
 def _plan(model):
     """name -> whether the layer's output gets a quantizer; name -> its block's end."""
-    layers, consumers, outputs, shared = _graph(model)
+    layers, consumers, outputs, shared = layer_graph(model)
     by_name = {layer.name: layer for layer in layers}
 
     def linear_kernel(layer):
         return _is_kernel_layer(layer) and (
-            _split_activation(layer) or _function_name(layer.activation) == "linear"
+            _split_activation(layer) or function_name(layer.activation) == "linear"
         )
 
     def fused(producer, consumer) -> bool:
@@ -373,7 +375,7 @@ def _pruned(kernel) -> bool:
     zeros = float(np.mean(keras.ops.convert_to_numpy(kernel) == 0))
     if zeros == 0.0:
         return False
-    return isinstance(kernel.constraint, _MaskConstraint) or _PRUNED_ZEROS <= zeros < 1.0
+    return isinstance(kernel.constraint, MaskConstraint) or _PRUNED_ZEROS <= zeros < 1.0
 
 
 def _quantize_graph(model, settings, pairs, quantize_inputs):

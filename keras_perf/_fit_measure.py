@@ -1,5 +1,10 @@
-"""Timing pieces for `diagnose`: the twin model, timed `fit` calls (one, the fastest of
-several, or several alternated), and global random state.
+"""Timing pieces for `diagnose` and `accelerate`: the twin model (also under another dtype
+policy), timed `fit` calls (one, the fastest of several, or several alternated), peak memory,
+and global random state.
+
+Shared, so on the top level rather than in either package: both measure candidates the same
+way on a twin of the user's model, and `accelerate` sits beside `diagnose`, not above it. Not
+on the ground floor: it reads memory and timings through `keras_perf.backend`.
 
 Everything is measured with real `fit` calls on a twin of the user's model (same layers,
 weights and compile settings; its own optimizer and metric objects), so the user's model and

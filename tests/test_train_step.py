@@ -1,8 +1,10 @@
 """kp.LossScaleTrainStep / kp.loss_scaled: equivalence, overflow skipping, scaling, clipping."""
 
+import inspect
 import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import hypothesis as hyp
@@ -425,6 +427,83 @@ def test_get_config_round_trip():
     clone = kp.LossScaledModel.from_config(model.get_config())
     assert (clone.microbatches, clone.clipnorm, clone.initial_scale) == (3, 2.0, 1024.0)
     assert len(clone.weights) == len(model.weights)
+
+
+# One non-default value per declared train-step setting (keras_perf/train_step/_settings.py),
+# as the keywords that make it: a setting added to the table must be added here, and is then
+# tested by every test parametrized over it.
+_NON_DEFAULT = {
+    "microbatches": {"microbatches": 3},
+    "clipnorm": {"clipnorm": 2.0},
+    "initial_scale": {"initial_scale": 1024.0},
+    "dynamic_growth_steps": {"dynamic_growth_steps": 7},
+    "traced_step": {"traced_step": True},
+    "remat": {"remat": "full"},
+    "remat_threshold": {"remat": "larger_than", "remat_threshold": 5.0},
+}
+
+
+def _with_setting(name, base=None):
+    from keras_perf._utils import KerasPerfWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", KerasPerfWarning)  # traced_step off torch
+        model = kp.loss_scaled(base or _mlp(), **_NON_DEFAULT[name])
+    value = getattr(model, name)
+    default = getattr(kp.loss_scaled(_mlp()), name)
+    assert value != default, name  # the sample is not the default
+    return model, value
+
+
+def test_every_declared_setting_has_a_sample_and_a_loss_scaled_keyword():
+    from keras_perf.train_step._settings import NAMES, SETTINGS
+
+    assert set(_NON_DEFAULT) == set(NAMES)
+    parameters = inspect.signature(kp.loss_scaled).parameters
+    for setting in SETTINGS:
+        # loss_scaled's default is the setting's default or "keep" (the model's own).
+        default = parameters[setting.name].default
+        assert setting.kept(default) or default == setting.default, setting.name
+        assert f"{setting.name}:" in kp.loss_scaled.__doc__, setting.name
+    assert set(NAMES) <= set(parameters)
+
+
+@pytest.mark.parametrize("name", list(_NON_DEFAULT))
+def test_setting_round_trips_through_get_config(name):
+    model, value = _with_setting(name)
+    config = model.get_config()
+    assert name in config
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        clone = kp.LossScaledModel.from_config(config)
+    assert getattr(clone, name) == value
+
+
+@pytest.mark.parametrize("name", list(_NON_DEFAULT))
+def test_setting_survives_carry_over_to_a_twin(name):
+    # keras.models.clone_model builds a kp.LossScaledModel with the defaults (it does not read
+    # the settings); keep_train_step copies every declared setting onto it, and onto a model
+    # without the step (what kp.quantize_aware and kp.shrink rebuild).
+    from keras_perf._carry_over import keep_train_step
+
+    model, value = _with_setting(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        twin = keras.models.clone_model(model)
+        assert isinstance(twin, kp.LossScaledModel)
+        assert keep_train_step(model, twin) is twin
+        plain = keep_train_step(model, _mlp(seed=1))
+    assert getattr(twin, name) == value
+    assert isinstance(plain, kp.LossScaledModel) and getattr(plain, name) == value
+
+
+def test_loss_scaled_again_keeps_the_loss_scale_settings():
+    # Re-wrapping applies the settings passed and keeps the others; the loss-scale settings
+    # are read when the model is compiled and stay the model's own (as before the table).
+    model = kp.loss_scaled(_mlp(), microbatches=2, initial_scale=8.0, dynamic_growth_steps=5)
+    assert kp.loss_scaled(model, clipnorm=1.0) is model
+    assert (model.microbatches, model.clipnorm) == (2, 1.0)
+    assert (model.initial_scale, model.dynamic_growth_steps) == (8.0, 5)
 
 
 def test_step_reads_metric_results_once_per_step(monkeypatch):

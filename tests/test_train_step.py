@@ -906,3 +906,25 @@ def test_bfloat16_microbatches_give_the_full_batch_update():
         # k=1 is stock Keras' arithmetic; k=4 sums four bfloat16 slice gradients in float32,
         # which differs from one bfloat16 full-batch gradient by bfloat16 rounding only.
         assert _max_diff(ref, ours) < (1e-6 if k == 1 else 5e-3), k
+
+
+def test_diagnose_and_accelerate_twins_keep_the_train_step_settings():
+    # Regression: diagnose's and accelerate's twins (diagnosis/_measure.make_twin,
+    # policy_twin) came from keras.models.clone_model, which builds a kp.LossScaledModel with
+    # the default settings: a model with microbatches=4 was timed as one whole batch and its
+    # micro-batched what-if offered `model.microbatches = 2`.
+    from keras_perf.diagnosis import _measure
+    from keras_perf.train_step._settings import settings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", kp.KerasPerfWarning)  # traced_step off torch
+        model = kp.loss_scaled(
+            _mlp(), microbatches=4, clipnorm=2.0, remat=["dense"], traced_step=True
+        )
+        model.compile("sgd", "mse")
+        twin = _measure.make_twin(model)
+        halves = _measure.policy_twin(model, "mixed_bfloat16")
+    expected = settings(model)
+    assert expected["microbatches"] == 4 and expected["remat"] == ("dense",)
+    assert settings(twin) == expected
+    assert settings(halves) == expected

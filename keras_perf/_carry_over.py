@@ -38,36 +38,34 @@ def copy_layer_state(old, new) -> None:
 
 
 def keep_train_step(old, new):
-    """`new` with `old`'s keras-perf train step and its settings (`microbatches`, `clipnorm`,
-    `remat` and `remat_threshold`, `traced_step`, the loss-scale settings), when `old` has that step; else
-    `new` as it is.
+    """`new` with `old`'s keras-perf train step and every one of its settings (the table in
+    keras_perf/train_step/_settings.py: `microbatches`, `clipnorm`, the loss-scale settings,
+    `traced_step`, `remat` and `remat_threshold`), when `old` has that step; else `new` as it
+    is. A `new` that has the step (a `keras.models.clone_model` twin, which is built with
+    the defaults) gets the settings in place.
 
     Raises:
         ValueError: `old.remat` lists layers that `new` cannot recompute (a layer that
             `kp.quantize_aware` gave state); the message says how to go on.
     """
-    from keras_perf.train_step import LossScaleTrainStep, loss_scaled  # imports a backend
+    from keras_perf.train_step import (  # imports a backend
+        LossScaleTrainStep,
+        apply_settings,
+        loss_scaled,
+        settings,
+    )
 
     if not isinstance(old, LossScaleTrainStep):
         return new
-    settings = {
-        "microbatches": old.microbatches,
-        "clipnorm": old.clipnorm,
-        "initial_scale": old.initial_scale,
-        "dynamic_growth_steps": old.dynamic_growth_steps,
-        "traced_step": old.traced_step,
-    }
-    remat = (old.remat, old.remat_threshold)
+    values = settings(old)
     try:
         if not isinstance(new, LossScaleTrainStep):
-            return loss_scaled(new, **settings, remat=remat[0], remat_threshold=remat[1])
-        new.set_remat(*remat)
+            return loss_scaled(new, **values)
+        apply_settings(new, values)
     except ValueError as e:
         raise ValueError(
             f"Model {old.name!r} has remat={old.remat!r}, which the new model cannot keep: {e} "
             'Set `model.remat` to a mode ("full" recomputes every layer without state) or '
             "to None first, and set the new model's `remat` afterwards."
         ) from e
-    for name, value in settings.items():
-        setattr(new, name, value)
     return new

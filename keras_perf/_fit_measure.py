@@ -22,6 +22,7 @@ import keras
 import numpy as np
 
 from keras_perf import backend as _backend
+from keras_perf._carry_over import keep_train_step
 
 COMPILE_KEYS = (
     "optimizer",
@@ -57,7 +58,9 @@ def _fresh(obj):
 
 
 def make_twin(model):
-    """A compiled twin of `model` with its weights, or None when Keras cannot clone it."""
+    """A compiled twin of `model` with its weights and its keras-perf train-step settings
+    (`microbatches`, `remat`, ...: `keras.models.clone_model` builds the step with the
+    defaults), or None when Keras cannot clone it."""
     args = compile_args(model)
     with _backend.model_scope(model):
         try:
@@ -68,13 +71,15 @@ def make_twin(model):
             twin.set_weights(model.get_weights())
         except ValueError:
             return None
+        twin = keep_train_step(model, twin)
         compile_twin(twin, args)
     return twin
 
 
 def policy_twin(model, policy):
-    """A twin of `model` whose layers run under the dtype `policy`, with its weights (not
-    compiled). Raises whatever Keras raises when it cannot clone the model."""
+    """A twin of `model` whose layers run under the dtype `policy`, with its weights and its
+    keras-perf train-step settings (not compiled). Raises whatever Keras raises when it cannot
+    clone the model."""
     previous = keras.mixed_precision.global_policy()
     try:
         keras.mixed_precision.set_global_policy(policy)
@@ -88,6 +93,7 @@ def policy_twin(model, policy):
         with _backend.model_scope(model):
             twin = keras.models.clone_model(model, clone_function=clone)
             twin.set_weights(model.get_weights())
+            twin = keep_train_step(model, twin)
     finally:
         keras.mixed_precision.set_global_policy(previous)
     return twin

@@ -175,7 +175,11 @@ LAYERS = {
     "backend": (("keras_perf.backend",), ("ground",)),
     # The shared train step, beside (not above) the backend.
     "train_step_base": (
-        ("keras_perf.train_step._base", "keras_perf.train_step._remat"),
+        (
+            "keras_perf.train_step._base",
+            "keras_perf.train_step._remat",
+            "keras_perf.train_step._settings",
+        ),
         ("ground",),
     ),
     # The backend train steps and the public train-step API, above both.

@@ -1,8 +1,10 @@
 """kp.LossScaleTrainStep / kp.loss_scaled: equivalence, overflow skipping, scaling, clipping."""
 
+import inspect
 import json
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import hypothesis as hyp
@@ -427,6 +429,83 @@ def test_get_config_round_trip():
     assert len(clone.weights) == len(model.weights)
 
 
+# One non-default value per declared train-step setting (keras_perf/train_step/_settings.py),
+# as the keywords that make it: a setting added to the table must be added here, and is then
+# tested by every test parametrized over it.
+_NON_DEFAULT = {
+    "microbatches": {"microbatches": 3},
+    "clipnorm": {"clipnorm": 2.0},
+    "initial_scale": {"initial_scale": 1024.0},
+    "dynamic_growth_steps": {"dynamic_growth_steps": 7},
+    "traced_step": {"traced_step": True},
+    "remat": {"remat": "full"},
+    "remat_threshold": {"remat": "larger_than", "remat_threshold": 5.0},
+}
+
+
+def _with_setting(name, base=None):
+    from keras_perf._utils import KerasPerfWarning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", KerasPerfWarning)  # traced_step off torch
+        model = kp.loss_scaled(base or _mlp(), **_NON_DEFAULT[name])
+    value = getattr(model, name)
+    default = getattr(kp.loss_scaled(_mlp()), name)
+    assert value != default, name  # the sample is not the default
+    return model, value
+
+
+def test_every_declared_setting_has_a_sample_and_a_loss_scaled_keyword():
+    from keras_perf.train_step._settings import NAMES, SETTINGS
+
+    assert set(_NON_DEFAULT) == set(NAMES)
+    parameters = inspect.signature(kp.loss_scaled).parameters
+    for setting in SETTINGS:
+        # loss_scaled's default is the setting's default or "keep" (the model's own).
+        default = parameters[setting.name].default
+        assert setting.kept(default) or default == setting.default, setting.name
+        assert f"{setting.name}:" in kp.loss_scaled.__doc__, setting.name
+    assert set(NAMES) <= set(parameters)
+
+
+@pytest.mark.parametrize("name", list(_NON_DEFAULT))
+def test_setting_round_trips_through_get_config(name):
+    model, value = _with_setting(name)
+    config = model.get_config()
+    assert name in config
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        clone = kp.LossScaledModel.from_config(config)
+    assert getattr(clone, name) == value
+
+
+@pytest.mark.parametrize("name", list(_NON_DEFAULT))
+def test_setting_survives_carry_over_to_a_twin(name):
+    # keras.models.clone_model builds a kp.LossScaledModel with the defaults (it does not read
+    # the settings); keep_train_step copies every declared setting onto it, and onto a model
+    # without the step (what kp.quantize_aware and kp.shrink rebuild).
+    from keras_perf._carry_over import keep_train_step
+
+    model, value = _with_setting(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        twin = keras.models.clone_model(model)
+        assert isinstance(twin, kp.LossScaledModel)
+        assert keep_train_step(model, twin) is twin
+        plain = keep_train_step(model, _mlp(seed=1))
+    assert getattr(twin, name) == value
+    assert isinstance(plain, kp.LossScaledModel) and getattr(plain, name) == value
+
+
+def test_loss_scaled_again_keeps_the_loss_scale_settings():
+    # Re-wrapping applies the settings passed and keeps the others; the loss-scale settings
+    # are read when the model is compiled and stay the model's own (as before the table).
+    model = kp.loss_scaled(_mlp(), microbatches=2, initial_scale=8.0, dynamic_growth_steps=5)
+    assert kp.loss_scaled(model, clipnorm=1.0) is model
+    assert (model.microbatches, model.clipnorm) == (2, 1.0)
+    assert (model.initial_scale, model.dynamic_growth_steps) == (8.0, 5)
+
+
 def test_step_reads_metric_results_once_per_step(monkeypatch):
     # Keras' compute_metrics returns get_metrics_result(); the step calls it per slice and
     # reads the results once at the end. So with 4 slices `fit` computes the results as often
@@ -827,3 +906,25 @@ def test_bfloat16_microbatches_give_the_full_batch_update():
         # k=1 is stock Keras' arithmetic; k=4 sums four bfloat16 slice gradients in float32,
         # which differs from one bfloat16 full-batch gradient by bfloat16 rounding only.
         assert _max_diff(ref, ours) < (1e-6 if k == 1 else 5e-3), k
+
+
+def test_diagnose_and_accelerate_twins_keep_the_train_step_settings():
+    # Regression: diagnose's and accelerate's twins (diagnosis/_measure.make_twin,
+    # policy_twin) came from keras.models.clone_model, which builds a kp.LossScaledModel with
+    # the default settings: a model with microbatches=4 was timed as one whole batch and its
+    # micro-batched what-if offered `model.microbatches = 2`.
+    from keras_perf.diagnosis import _measure
+    from keras_perf.train_step._settings import settings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", kp.KerasPerfWarning)  # traced_step off torch
+        model = kp.loss_scaled(
+            _mlp(), microbatches=4, clipnorm=2.0, remat=["dense"], traced_step=True
+        )
+        model.compile("sgd", "mse")
+        twin = _measure.make_twin(model)
+        halves = _measure.policy_twin(model, "mixed_bfloat16")
+    expected = settings(model)
+    assert expected["microbatches"] == 4 and expected["remat"] == ("dense",)
+    assert settings(twin) == expected
+    assert settings(halves) == expected

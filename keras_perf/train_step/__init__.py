@@ -28,8 +28,14 @@ import keras
 
 from keras_perf import _keras_internals as keras_internals
 from keras_perf import backend as _backend
-from keras_perf.train_step._base import check_clipnorm, check_microbatches, check_traced_step
 from keras_perf.train_step._remat import check_remat, check_remat_names
+from keras_perf.train_step._settings import KEEP as _KEEP
+from keras_perf.train_step._settings import SETTINGS
+
+# For keras-perf's own packages (keras_perf/_carry_over.py), not the public API: every
+# train-step setting of a model by name, and setting them.
+from keras_perf.train_step._settings import apply_settings as apply_settings
+from keras_perf.train_step._settings import settings as settings
 
 # The backend's train step, chosen once (as keras/src/models/model.py picks its Trainer).
 if _backend.BACKEND == "tensorflow":
@@ -140,9 +146,6 @@ class LossScaledModel(LossScaleTrainStep, keras.Model):
     """A Functional model with keras-perf's train step; what `kp.loss_scaled` returns."""
 
 
-_KEEP = "keep"  # clipnorm's default in loss_scaled: the model's own setting (None for a new one)
-
-
 def _kept(value) -> bool:
     return isinstance(value, str) and value == _KEEP
 
@@ -213,39 +216,28 @@ def loss_scaled(
         >>> model = kp.loss_scaled(model, remat="full")  # same model, now with remat
         >>> _ = model.fit(np.ones((8, 4)), np.ones((8, 2)), verbose=0)
     """
+    given = dict(locals())  # the keywords as passed, before any other name is bound
     if not isinstance(model, keras.Model):
         raise TypeError(f"`model` must be a keras.Model, got {type(model).__name__}.")
+    # The keywords of `SETTINGS` (keras_perf/train_step/_settings.py), as passed.
+    passed = {s.name: given[s.name] for s in SETTINGS}
     if isinstance(model, LossScaleTrainStep):
-        # Settings not passed are kept (re-wrapping must not silently turn a feature off).
-        # Validate everything first, then apply (no half-updated model on error).
-        microbatches = model.microbatches if microbatches is None else microbatches
-        clipnorm = model.clipnorm if isinstance(clipnorm, str) and clipnorm == _KEEP else clipnorm
+        # Settings not passed are kept (re-wrapping must not silently turn a feature off);
+        # the loss-scale settings are the model's own (read when it was compiled).
+        # Validated all first, then applied (no half-updated model on error).
+        values = {
+            s.name: passed[s.name] for s in SETTINGS if not (s.at_compile or s.kept(passed[s.name]))
+        }
         if _kept(remat):
             remat = model.remat
             if remat_threshold is None and remat == "larger_than":
                 remat_threshold = model.remat_threshold
-        check_microbatches(microbatches)
-        check_clipnorm(clipnorm)
-        remat, remat_threshold = check_remat(remat, remat_threshold)
-        check_remat_names(model, remat)
-        traced_step = model.traced_step if _kept(traced_step) else traced_step
-        check_traced_step(traced_step)
-        model.microbatches, model.clipnorm = microbatches, clipnorm
-        model.set_remat(remat, remat_threshold)
-        model.traced_step = traced_step
+        values.update(remat=remat, remat_threshold=remat_threshold)
+        apply_settings(model, values)
         return model
-    microbatches = 1 if microbatches is None else microbatches
-    clipnorm = None if isinstance(clipnorm, str) and clipnorm == _KEEP else clipnorm
+    values = {s.name: s.default if s.kept(passed[s.name]) else passed[s.name] for s in SETTINGS}
     remat, remat_threshold = check_remat(None if _kept(remat) else remat, remat_threshold)
     check_remat_names(model, remat)
-    traced_step = False if _kept(traced_step) else traced_step
-    settings = dict(
-        microbatches=microbatches,
-        clipnorm=clipnorm,
-        remat=remat,
-        remat_threshold=remat_threshold,
-        traced_step=traced_step,
-    )
     if not isinstance(model, keras.Sequential) and not keras_internals.is_functional(model):
         raise TypeError(
             f"kp.loss_scaled() takes Sequential and Functional models; {type(model).__name__} is "
@@ -274,9 +266,9 @@ def loss_scaled(
             inputs=inputs[0] if isinstance(inputs, list) and len(inputs) == 1 else inputs,
             outputs=outputs,
             name=model.name,
-            initial_scale=initial_scale,
-            dynamic_growth_steps=dynamic_growth_steps,
-            **settings,
+            remat=remat,
+            remat_threshold=remat_threshold,
+            **values,
         )
         if getattr(model, "compiled", False) and model.optimizer is not None:
             config = keras.saving.deserialize_keras_object(model.get_compile_config())

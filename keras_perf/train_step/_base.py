@@ -20,7 +20,6 @@ import contextlib
 import copy
 import math
 import threading
-import warnings
 import weakref
 
 import keras
@@ -28,10 +27,7 @@ from keras import ops
 
 from keras_perf import _keras_internals as keras_internals
 from keras_perf._utils import (
-    KerasPerfWarning,
     all_finite,
-    check_int,
-    check_number,
     in_training_step,
     iter_layers,
     metric_results_are_deferred,
@@ -39,6 +35,7 @@ from keras_perf._utils import (
     update_step_metrics,
 )
 from keras_perf.train_step._remat import RematSettings
+from keras_perf.train_step._settings import SETTINGS
 
 _STEP_METRICS = ("grad_norm", "skipped_steps")
 _REDUCTIONS = ("sum", "sum_over_batch_size", "mean", "mean_with_sample_weight")
@@ -47,34 +44,6 @@ _REDUCTIONS = ("sum", "sum_over_batch_size", "mean", "mean_with_sample_weight")
 _SLICE = threading.local()
 # Copies of the compiled losses with reduction "none", made once per loss object.
 _UNREDUCED = weakref.WeakKeyDictionary()
-
-
-def check_microbatches(value) -> int:
-    return check_int("microbatches", value, minimum=1)
-
-
-def check_clipnorm(value):
-    return check_number("clipnorm", value, low=0.0, low_inclusive=False, allow_none=True)
-
-
-TRACED_STEP_VALUES = (False, True, "inductor")
-
-
-def check_traced_step(value):
-    """Validate `traced_step`; on TensorFlow and JAX a `KerasPerfWarning` says it changes
-    nothing there (their train step is already one compiled graph)."""
-    if not any(value is v or (isinstance(v, str) and value == v) for v in TRACED_STEP_VALUES):
-        raise ValueError(f"`traced_step` must be False, True or 'inductor'; got {value!r}.")
-    if value is not False and keras.backend.backend() != "torch":
-        warnings.warn(
-            f"traced_step={value!r} applies to the PyTorch backend only: on "
-            f"{keras.backend.backend()} keras-perf's train step is already traced into one "
-            "compiled graph (tf.function / jax.jit), so the setting changes nothing here. It is "
-            "kept in the model's config for PyTorch.",
-            KerasPerfWarning,
-            stacklevel=3,
-        )
-    return value
 
 
 def _resolve(path, structure):
@@ -279,66 +248,18 @@ class TrainStepBase(RematSettings):
     def train_step(self, *args):
         raise NotImplementedError("implemented by keras_perf/train_step/<backend>.py")
 
-    def __init__(
-        self,
-        *args,
-        microbatches: int = 1,
-        clipnorm: float | None = None,
-        initial_scale: float = 2.0**15,
-        dynamic_growth_steps: int = 2000,
-        traced_step=False,
-        **kwargs,
-    ):
-        self._traced_step = check_traced_step(traced_step)
-        self._microbatches = check_microbatches(microbatches)
-        self._clipnorm = check_clipnorm(clipnorm)
-        self.initial_scale = check_number(
-            "initial_scale", initial_scale, low=0.0, low_inclusive=False
-        )
-        self.dynamic_growth_steps = check_int(
-            "dynamic_growth_steps", dynamic_growth_steps, minimum=1
-        )
+    def __init__(self, *args, **kwargs):
+        # The settings of `SETTINGS` (keras_perf/train_step/_settings.py), each validated;
+        # `remat` and `remat_threshold` are RematSettings'.
+        for setting in SETTINGS:
+            value = kwargs.pop(setting.name, setting.default)
+            setattr(self, setting.attr, setting.check(value))
         super().__init__(*args, **kwargs)
         self.grad_norm_tracker = keras.metrics.Mean(name="grad_norm")
         self.skipped_steps_tracker = keras.metrics.Sum(name="skipped_steps", dtype="int32")
 
-    # -- settings -----------------------------------------------------------------------
-    @property
-    def microbatches(self) -> int:
-        """Slices per batch; setting it rebuilds the compiled train function."""
-        return self._microbatches
-
-    @microbatches.setter
-    def microbatches(self, value: int) -> None:
-        value = check_microbatches(value)
-        if value != self._microbatches:
-            self._microbatches = value
-            self.train_function = None  # Keras rebuilds it on the next fit.
-
-    @property
-    def clipnorm(self) -> float | None:
-        """Global-norm clip of the unscaled gradients; setting it rebuilds the train function."""
-        return self._clipnorm
-
-    @clipnorm.setter
-    def clipnorm(self, value) -> None:
-        value = check_clipnorm(value)
-        if value != self._clipnorm:
-            self._clipnorm = value
-            self.train_function = None
-
-    @property
-    def traced_step(self):
-        """Whether the step runs traced (PyTorch): False, True or "inductor"; setting it
-        rebuilds the train function (see keras_perf/train_step/torch_traced.py)."""
-        return self._traced_step
-
-    @traced_step.setter
-    def traced_step(self, value) -> None:
-        value = check_traced_step(value)
-        if value is not self._traced_step and value != self._traced_step:
-            self._traced_step = value
-            self.train_function = None
+    # The settings' properties (`microbatches`, `clipnorm`, `initial_scale`,
+    # `dynamic_growth_steps`, `traced_step`) are made from `SETTINGS` below the class.
 
     # -- compile: wrap the optimizer for float16 -----------------------------------------
     def compile(self, optimizer="rmsprop", *args, auto_scale_loss: bool = True, **kwargs):
@@ -577,13 +498,10 @@ class TrainStepBase(RematSettings):
     # -- serialisation --------------------------------------------------------------------
     def get_config(self):
         config = super().get_config()
-        config.update(
-            {
-                "microbatches": self._microbatches,
-                "clipnorm": self._clipnorm,
-                "initial_scale": self.initial_scale,
-                "dynamic_growth_steps": self.dynamic_growth_steps,
-                "traced_step": self._traced_step,
-            }
-        )
+        config.update({setting.name: getattr(self, setting.attr) for setting in SETTINGS})
         return config
+
+
+for _setting in SETTINGS:
+    setattr(TrainStepBase, _setting.name, _setting.as_property())
+del _setting

@@ -909,11 +909,11 @@ def test_bfloat16_microbatches_give_the_full_batch_update():
 
 
 def test_diagnose_and_accelerate_twins_keep_the_train_step_settings():
-    # Regression: diagnose's and accelerate's twins (diagnosis/_measure.make_twin,
+    # Regression: diagnose's and accelerate's twins (keras_perf/_fit_measure.make_twin,
     # policy_twin) came from keras.models.clone_model, which builds a kp.LossScaledModel with
     # the default settings: a model with microbatches=4 was timed as one whole batch and its
     # micro-batched what-if offered `model.microbatches = 2`.
-    from keras_perf.diagnosis import _measure
+    from keras_perf import _fit_measure as _measure
     from keras_perf.train_step._settings import settings
 
     with warnings.catch_warnings():

@@ -17,6 +17,7 @@ from __future__ import annotations
 import keras
 
 from keras_perf import backend as _backend
+from keras_perf._carry_over import keep_train_step
 from keras_perf.acceleration import _apply
 from keras_perf.acceleration._apply import NOT_AVAILABLE, Unavailable, torch_traced
 from keras_perf.diagnosis._measure import compile_twin, make_twin, policy_twin
@@ -47,7 +48,10 @@ class Candidate:
 
 
 def recompiled_twin(ctx, **changes):
-    """A twin of the user's model compiled with its own arguments and `changes`."""
+    """A twin of the user's model compiled with its own arguments and `changes`, with its
+    keras-perf train-step settings (`keep_train_step`: Keras' clone of a `kp.loss_scaled` model
+    is a `LossScaledModel` with the default settings, microbatches=1 and no remat or clipnorm).
+    """
 
     def make():
         twin = make_twin(ctx.model)
@@ -58,7 +62,7 @@ def recompiled_twin(ctx, **changes):
                 compile_twin(twin, ctx.compile_args, **changes)
         if changes.get("jit_compile") and not twin.jit_compile:
             raise Unavailable("Keras says this model does not support jit_compile=True")
-        return twin
+        return keep_train_step(ctx.model, twin)
 
     return make
 
@@ -240,7 +244,7 @@ def _mixed_precision(ctx, notes):
                 compile_twin(twin, ctx.compile_args)
         finally:
             keras.mixed_precision.set_global_policy(previous)
-        return twin
+        return keep_train_step(ctx.model, twin)
 
     return Candidate(
         f"mixed precision ({policy})",

@@ -686,17 +686,3 @@ def test_the_next_fit_after_apply_equals_a_plain_fit(family):
     ok, diff = _exact.compare(b, a, (x, y, None), 16, skip)
     # TF: XLA's convolution rounds otherwise; 8 Adam steps grow it to a few 1e-6 at most.
     assert ok or (BACKEND == "tensorflow" and family == "cnn_bn" and diff < 1e-5), diff
-
-
-@pytest.mark.backends("torch")
-def test_save_load_after_the_traced_step(tmp_path):
-    model = _mlp()
-    x, y = _data(64)
-    _apply.apply(model, {"traced_step": True})
-    model.fit(x, y, batch_size=16, epochs=1, verbose=0)
-    path = str(tmp_path / "m.keras")
-    model.save(path)
-    loaded = keras.saving.load_model(path)
-    np.testing.assert_allclose(loaded.predict(x, verbose=0), model.predict(x, verbose=0), atol=1e-6)
-    h = loaded.fit(x, y, batch_size=16, epochs=1, verbose=0)
-    assert np.isfinite(h.history["loss"]).all()

@@ -6,6 +6,7 @@ applied trains exactly as one compiled with them by hand.
 """
 
 import json
+import warnings
 
 import keras
 import numpy as np
@@ -428,3 +429,260 @@ def test_models_rebuilt_from_the_compile_config_keep_the_settings():
     x, y = _data(128)
     h = kp.fit_with_oom_retry(model, x, y, batch_size=32, epochs=1, verbose=0)
     assert np.isfinite(h.history["loss"]).all() and model.steps_per_execution == 4
+
+
+# -- composition with every piece: the settings accelerate applies, in the next fit ------------
+# The strongest exact settings of each backend are set with `_apply.apply` (what accelerate
+# does with its choice), so that the tests do not depend on which one a loaded machine picks.
+
+
+def _strong():
+    if BACKEND == "torch":
+        return {"traced_step": True}
+    if BACKEND == "tensorflow":
+        return {"jit_compile": True, "steps_per_execution": 4}
+    return {"steps_per_execution": 4}
+
+
+def _pair(build, compile_kwargs=None, seed=3):
+    """Two models with the same weights and fresh Adam optimizers, compiled alike."""
+    out = []
+    for _ in range(2):
+        keras.utils.set_random_seed(seed)
+        model = build()
+        model.compile(keras.optimizers.Adam(0.01), **(compile_kwargs or {"loss": SCE}))
+        out.append(model)
+    out[1].set_weights(out[0].get_weights())
+    return out
+
+
+def _close(a, b, rtol=1e-5, atol=1e-6):
+    for u, v in zip(a.get_weights(), b.get_weights()):
+        np.testing.assert_allclose(u, v, rtol=rtol, atol=atol)
+
+
+def _dense_mlp():
+    return keras.Sequential(
+        [
+            keras.Input((8,)),
+            keras.layers.Dense(16, activation="relu", name="d1"),
+            keras.layers.Dense(16, activation="relu", name="d2"),
+            keras.layers.Dense(3, name="out"),
+        ]
+    )
+
+
+def test_twins_of_a_loss_scaled_model_keep_its_train_step_settings():
+    # Regression: Keras' clone of a `kp.loss_scaled` model is a LossScaledModel with the
+    # default settings, so accelerate timed (and checked) microbatches=1 without remat.
+    from types import SimpleNamespace
+
+    from keras_perf.acceleration import _candidates
+
+    model = kp.loss_scaled(_mlp(), microbatches=2, remat="full", clipnorm=1.0)
+    ctx = SimpleNamespace(model=model, compile_args=compile_args(model))
+    twin = _candidates.recompiled_twin(ctx)()
+    assert twin is not model
+    assert (twin.microbatches, twin.remat, twin.clipnorm) == (2, "full", 1.0)
+
+
+@pytest.mark.slow  # accelerate on a micro-batched model: 10-40 s
+def test_accelerated_loss_scaled_model_trains_as_without_accelerate():
+    x, y = _data(128)
+    a, b = (
+        kp.loss_scaled(m, microbatches=2, remat="full", clipnorm=1.0) for m in _pair(_dense_mlp)
+    )
+    r = kp.accelerate(a, x, y, batch_size=16, max_seconds=1)
+    assert (a.microbatches, a.remat, a.clipnorm) == (2, "full", 1.0)
+    for row in r.rows:  # the twins ran the model's own settings: the exact levers are exact
+        if row["exact"] is not None and set(row["settings"]) <= {
+            "jit_compile",
+            "steps_per_execution",
+        }:
+            assert row["exact"] is True, row
+    a.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+    b.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+    _close(a, b)
+
+
+def _sparsity(kernel):
+    return float(np.mean(keras.ops.convert_to_numpy(kernel) == 0.0))
+
+
+@pytest.mark.slow  # XLA compiles on TensorFlow: about 10 s each on the shared CPU
+@pytest.mark.parametrize("kind", ["weights", "channels"])
+def test_pruning_callbacks_hold_their_masks_after_accelerate(kind):
+    x, y = _data(128)
+    a, b = _pair(_dense_mlp)
+    _apply.apply(a, _strong())
+    schedule = kp.ConstantSparsity(0.5, begin_step=0, frequency=1)
+    callback = kp.PruningCallback if kind == "weights" else kp.ChannelPruningCallback
+    for model in (a, b):
+        model.fit(
+            x, y, batch_size=16, epochs=2, verbose=0, shuffle=False, callbacks=[callback(schedule)]
+        )
+    for layer in ("d1", "d2"):
+        ka, kb = a.get_layer(layer).kernel, b.get_layer(layer).kernel
+        assert _sparsity(ka) == _sparsity(kb) >= 0.4, (layer, _sparsity(ka), _sparsity(kb))
+        zeros = keras.ops.convert_to_numpy(ka) == 0.0
+        a.fit(x, y, batch_size=16, epochs=1, verbose=0)  # pruned weights stay 0
+        assert (keras.ops.convert_to_numpy(a.get_layer(layer).kernel)[zeros] == 0.0).all()
+
+
+@pytest.mark.slow  # accelerate on a fake-quantised model: 10-30 s
+def test_a_qat_model_accelerated_trains_as_without():
+    # On TensorFlow XLA rounds the fake quantisation differently (weights 1e-2 apart after 4
+    # steps here): the exactness check must keep it off, and the next fit equal a plain fit.
+    x, y = _data(128)
+    a, b = (kp.quantize_aware(m) for m in _pair(_dense_mlp))
+    for model in (a, b):
+        model.compile(keras.optimizers.Adam(0.01), SCE, jit_compile=False)
+    r = kp.accelerate(a, x, y, batch_size=16, max_seconds=1)
+    assert all(row["exact"] is not False for row in r.rows if row["chosen"])
+    a.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+    b.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+    # Fake quantisation rounds to bins: where a compiled path (JAX's steps_per_execution loop)
+    # moves a value by one ulp across a bin edge, that weight moves by one bin (found: 2 of
+    # 256 weights 1e-3 apart after 16 steps; the 4-step check had not seen it).
+    for u, v in zip(a.get_weights(), b.get_weights()):
+        off = ~np.isclose(u, v, rtol=1e-5, atol=1e-6)
+        assert off.mean() <= 0.02 and np.max(np.abs(u - v), initial=0.0) < 1e-2
+
+
+class _OOMOnce(keras.callbacks.Callback):
+    """Raises the backend's OOM error at the second call of the first fit (an injected OOM)."""
+
+    def __init__(self):
+        super().__init__()
+        self.raised = 0
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch > 0 and not self.raised:
+            self.raised += 1
+            raise kp.backend.oom_error("Out of memory while trying to allocate 1GiB (injected).")
+
+
+@pytest.mark.slow
+def test_fit_with_oom_retry_rung_keeps_the_accelerated_settings_or_says_why():
+    x, y = _data(128)
+    model = _pair(_dense_mlp)[0]
+    _apply.apply(model, _strong())
+    oom = _OOMOnce()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        h = kp.fit_with_oom_retry(
+            model, x, y, batch_size=16, epochs=1, verbose=0, shuffle=False, callbacks=[oom]
+        )
+    assert oom.raised == 1 and len(h.oom_events) == 1, h.oom_events
+    assert np.isfinite(h.history["loss"]).all()
+    rung = h.model
+    if BACKEND == "torch":
+        # The traced step covers microbatches=1 without remat only: the rung runs the eager
+        # step, and a warning says so.
+        from keras_perf.train_step import torch_traced
+
+        state = torch_traced.traced_step_state(rung)
+        said = [str(w.message) for w in caught if "traced train step" in str(w.message)]
+        assert not state["active"] and "microbatches=2 is not traced" in state["reason"]
+        assert len(said) == 1 and "microbatches=2 is not traced" in said[0], said
+    else:
+        for key, value in _strong().items():
+            assert getattr(rung, key) == value, key
+
+
+@pytest.mark.slow
+@pytest.mark.backends("tensorflow")
+def test_accelerate_under_a_mirrored_strategy():
+    import tensorflow as tf
+
+    x, y = _data(128)
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    with strategy.scope():
+        model = _mlp()
+    r = kp.accelerate(model, x, y, batch_size=16, max_seconds=1)
+    assert r.rows and r.rows[0]["examples_per_s"] is not None
+    h = model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+    assert np.isfinite(h.history["loss"]).all()
+    for key, value in r.chosen.items():
+        assert getattr(model, key) == value
+
+
+@pytest.mark.slow
+@pytest.mark.backends("jax")
+def test_accelerate_under_jax_data_parallel():
+    import jax
+
+    x, y = _data(128)
+    previous = keras.distribution.distribution()
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=jax.devices()))
+    try:
+        model = _mlp()
+        r = kp.accelerate(model, x, y, batch_size=16, max_seconds=1)
+        assert r.rows and r.rows[0]["examples_per_s"] is not None
+        h = model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+        assert np.isfinite(h.history["loss"]).all()
+    finally:
+        keras.distribution.set_distribution(previous)
+
+
+def _attention():
+    inp = keras.Input((6,), dtype="int32")
+    h = keras.layers.Embedding(20, 8)(inp)
+    h = keras.layers.MultiHeadAttention(2, 4)(h, h)
+    out = keras.layers.Dense(3)(keras.layers.GlobalAveragePooling1D()(h))
+    return keras.Model(inp, out)
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        pytest.param(f, marks=pytest.mark.slow)
+        for f in ("attention", "dropout", "cnn_bn", "lstm", "dict", "subclassed")
+    ],
+)
+def test_the_next_fit_after_apply_equals_a_plain_fit(family):
+    """Every family: from the same weights, the next fit with the backend's strongest exact
+    settings (TF: XLA and steps_per_execution=4, JAX: steps_per_execution=4, torch: the
+    traced step) gives the weights a plain fit gives."""
+    rng = np.random.default_rng(2)
+    if family in ("attention", "dropout"):
+        keras.utils.set_random_seed(4)
+        if family == "attention":
+            a = _attention()
+            x = rng.integers(0, 20, (128, 6)).astype("int32")
+        else:
+            a = keras.Sequential(
+                [
+                    keras.Input((8,)),
+                    keras.layers.Dense(16),
+                    keras.layers.Dropout(0.3),
+                    keras.layers.Dense(3),
+                ]
+            )
+            x = rng.normal(size=(128, 8)).astype("float32")
+        y = rng.integers(0, 3, 128).astype("int32")
+        b = keras.models.clone_model(a)
+        b.set_weights(a.get_weights())
+        for m in (a, b):
+            m.compile(keras.optimizers.Adam(), SCE)
+    else:
+        a, x, y = _family(family)
+        b, _, _ = _family(family)
+        first = keras.tree.map_structure(lambda t: t[:2], x)
+        a.predict_on_batch(first)  # a subclassed model builds its weights at its first call
+        b.predict_on_batch(first)
+        b.set_weights(a.get_weights())
+    _apply.apply(a, _strong())
+    if family == "dropout" and BACKEND != "torch":
+        # XLA's random numbers (TF) and JAX's on-device loop draw other masks from the same
+        # seed: compared at rate 0, as accelerate's exactness check does (docs/accelerate.md).
+        _exact.no_dropout(a)
+        _exact.no_dropout(b)
+    for m in (a, b):
+        keras.utils.set_random_seed(5)  # the same dropout masks (torch: the global generator)
+        m.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+    # As accelerate compares: a bias feeding BatchNormalization through the outputs instead.
+    skip = _exact.biases_before_batchnorm(a)
+    ok, diff = _exact.compare(b, a, (x, y, None), 16, skip)
+    # TF: XLA's convolution rounds otherwise; 8 Adam steps grow it to a few 1e-6 at most.
+    assert ok or (BACKEND == "tensorflow" and family == "cnn_bn" and diff < 1e-5), diff

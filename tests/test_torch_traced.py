@@ -138,6 +138,42 @@ def test_functional_dict_input_model_matches_keras_fit():
 
 
 @torch_only
+def test_dict_output_model_matches_keras_fit():
+    # Regression: the metrics got `y_pred.detach()` and a dict of outputs has no `detach`, so
+    # a multi-output model fell back ("'dict' object has no attribute 'detach'").
+    def make():
+        a = keras.Input((6,), name="a")
+        h = keras.layers.Dense(8, activation="relu")(a)
+        return keras.Model(a, {"c": keras.layers.Dense(3)(h), "r": keras.layers.Dense(1)(h)})
+
+    x, y = _data((6,))
+    y = {"c": y, "r": x[:, :1].copy()}
+    loss = {"c": keras.losses.SparseCategoricalCrossentropy(from_logits=True), "r": "mse"}
+    plain, traced = (_compiled(make) for _ in range(2))
+    for m in (plain, traced):
+        m.compile(keras.optimizers.Adam(1e-2), loss, metrics={"c": ["accuracy"], "r": ["mae"]})
+    _traced().install_traced_step(traced)
+    h1 = plain.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    h2 = traced.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    assert _traced().traced_step_state(traced)["active"]
+    _same(h1.history, h2.history, plain, traced)
+
+
+@torch_only
+def test_loss_scaled_keeps_an_installed_traced_step():
+    # `kp.fit_with_oom_retry`'s micro-batching rung wraps an accelerated model this way.
+    model = _compiled(_mlp)
+    _traced().install_traced_step(model, inductor=True)
+    assert kp.loss_scaled(model).traced_step == "inductor"
+    _traced().install_traced_step(model)
+    assert kp.loss_scaled(model, microbatches=2).traced_step is True
+    assert kp.loss_scaled(model, traced_step=False).traced_step is False
+    model.compile("adam", "mse")  # compiled again: Keras' own step, nothing to keep
+    assert kp.loss_scaled(model).traced_step is False
+    assert kp.loss_scaled(_compiled(_mlp)).traced_step is False
+
+
+@torch_only
 def test_subclassed_model_matches_keras_fit():
     x, y = _data((6,))
     _same(*_pair(_Sub, x, y))

@@ -47,7 +47,10 @@ class Candidate:
 
 
 def recompiled_twin(ctx, **changes):
-    """A twin of the user's model compiled with its own arguments and `changes`."""
+    """A twin of the user's model compiled with its own arguments and `changes`, with its
+    keras-perf train-step settings (`make_twin` keeps them: Keras' clone of a `kp.loss_scaled`
+    model alone is a `LossScaledModel` with the default settings).
+    """
 
     def make():
         twin = make_twin(ctx.model)

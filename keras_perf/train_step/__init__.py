@@ -150,6 +150,18 @@ def _kept(value) -> bool:
     return isinstance(value, str) and value == _KEEP
 
 
+def _installed_traced_step(model) -> bool | str:
+    """The traced step installed on a plain `model` (`install_traced_step`, as `kp.accelerate`
+    applies it) as a `traced_step` setting: `True`, `"inductor"`, or `False` where none is
+    installed (or it fell back, or the model was compiled again)."""
+    step = model.__dict__.get("_kp_traced_step")  # torch_traced._ATTR; no torch import here
+    if step is None or not step.installed or model.__dict__.get("train_step") is not step:
+        return False
+    if not step.check_compiled():  # fell back, or compiled again since
+        return False
+    return "inductor" if step.inductor else True
+
+
 def loss_scaled(
     model: keras.Model,
     microbatches: int | None = None,
@@ -190,7 +202,8 @@ def loss_scaled(
         traced_step: `True` runs each step as one traced torch graph (PyTorch backend; see
             `kp.LossScaleTrainStep`), `"inductor"` also compiles that graph with
             `torch.compile`, `False` runs the eager step. Defaults to `"keep"`: `False`, or
-            the model's own setting if it already has the train step.
+            the model's own setting if it already has the train step or a traced step
+            installed (`install_traced_step`, as `kp.accelerate` applies it).
 
     Returns:
         A `keras.Model` (a `kp.LossScaledModel`) that trains with the train step and saves and
@@ -238,6 +251,8 @@ def loss_scaled(
     values = {s.name: s.default if s.kept(passed[s.name]) else passed[s.name] for s in SETTINGS}
     remat, remat_threshold = check_remat(None if _kept(remat) else remat, remat_threshold)
     check_remat_names(model, remat)
+    if _kept(traced_step):  # a traced step installed on the plain model is kept
+        values["traced_step"] = _installed_traced_step(model)
     if not isinstance(model, keras.Sequential) and not keras_internals.is_functional(model):
         raise TypeError(
             f"kp.loss_scaled() takes Sequential and Functional models; {type(model).__name__} is "

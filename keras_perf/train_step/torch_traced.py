@@ -320,7 +320,7 @@ class _TracedStep:
                 scope_map[:n_tv] = list(zip(tv, state[:n_tv]))
                 with keras.StatelessScope(state_mapping=scope_map) as upd:
                     model.optimizer.apply(list(grads), tv)
-                    logs = model.compute_metrics(x, y, y_pred.detach(), sample_weight)
+                    logs = model.compute_metrics(x, y, _detached(y_pred), sample_weight)
                 _check_unmapped(upd, index)
                 new = [upd.get_current_value(v) for v in variables]
                 new = [a if n is None else n for a, n in zip(after_fwd, new)]
@@ -338,6 +338,11 @@ class _TracedStep:
         if self.inductor:
             graph = torch.compile(graph, dynamic=False)
         return graph, tuple(log_keys)
+
+
+def _detached(y_pred):
+    """`y_pred` (a tensor, or a dict or list of them: multi-output models) detached."""
+    return keras.tree.map_structure(lambda t: t.detach(), y_pred)
 
 
 def _first_line(e) -> str:
@@ -446,7 +451,7 @@ def _kp_update(model, variables, state, after_fwd, grads, n_tv, batch):
     with keras.StatelessScope(state_mapping=list(zip(variables, new))) as met:
         with training_step():
             with metric_results_deferred():
-                model.compute_metrics(x, y, y_pred.detach(), sample_weight)
+                model.compute_metrics(x, y, _detached(y_pred), sample_weight)
             model._kp_update_step_metrics(norm, finite)
             logs = model.get_metrics_result()
     final = [met.get_current_value(v) for v in variables]

@@ -109,7 +109,7 @@ def available_formats(model) -> list[str]:
     import importlib.util
 
     from keras_perf import quantization as _quantization
-    from keras_perf.backend.onnx import EXPORTERS
+    from keras_perf.export._onnx_lib import EXPORTERS
 
     qat = _quantization.is_quantized_model(model)
     out = ["keras"]
@@ -423,7 +423,7 @@ def _runner(fmt, model, calib, tmp, threads):
 
         return keras_call, keras_all, size
     if fmt.startswith("onnx"):
-        from keras_perf.backend import onnx as _onnx
+        from keras_perf.export import _onnx_lib as _onnx
         from keras_perf.export._onnx import export_onnx
         from keras_perf.export._onnx_predict import feeds
 
@@ -448,7 +448,7 @@ def _runner(fmt, model, calib, tmp, threads):
 
 def _tflite_runner(fmt, model, calib, tmp, threads):
     from keras_perf import quantization as _quantization
-    from keras_perf.backend import tflite as _tflite
+    from keras_perf.export import _tflite_lib as _tflite
     from keras_perf.export._convert import export_tflite
     from keras_perf.export._metadata import _stored_input_order
     from keras_perf.export._predict import _feeds, tflite_predict

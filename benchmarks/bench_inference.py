@@ -43,8 +43,8 @@ import keras
 import numpy as np
 
 import keras_perf as kp
-from keras_perf.backend import onnx as _onnx
-from keras_perf.backend import tflite as _tflite
+from keras_perf.export import _onnx_lib as _onnx
+from keras_perf.export import _tflite_lib as _tflite
 from keras_perf.export._inference_report import available_formats
 from keras_perf.export._onnx_predict import feeds
 

@@ -34,7 +34,7 @@ import keras
 import numpy as np
 
 import keras_perf as kp
-from keras_perf.backend import onnx as _onnx
+from keras_perf.export import _onnx_lib as _onnx
 from keras_perf.export._onnx import _Reader
 
 from ._harness import accuracy_row, digits, finish, parse_args

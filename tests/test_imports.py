@@ -414,9 +414,7 @@ def test_no_package_imports_another_package_s_private_module():
 KERAS_PRIVATE_GRAPH_ATTRIBUTES = ("_keras_history", "_inbound_nodes", "_outbound_nodes")
 # Files still reading one directly, each edited by another branch of issue 42 while this one
 # was written; route them through `_keras_internals.producer`/a new reader there, then drop them.
-GRAPH_ATTRIBUTE_EXCEPTIONS = {
-    "keras_perf/export/_inference_report.py",  # `_keras_history`
-}
+GRAPH_ATTRIBUTE_EXCEPTIONS: set[str] = set()
 
 
 def _source_files():

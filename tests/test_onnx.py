@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import keras_perf as kp
-from keras_perf.backend import onnx as _onnx
+from keras_perf.export import _onnx_lib as _onnx
 from keras_perf.quantization import ActivationQuantizer
 
 onnx = pytest.importorskip("onnx")

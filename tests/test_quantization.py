@@ -286,7 +286,7 @@ def test_export_uses_the_learned_ranges(exported):
         np.testing.assert_allclose(got[0], scale, rtol=1e-5)
         assert got[1] == zero
     # Every hidden activation range is in the file too.
-    interp = kp.backend.tflite.interpreter(open(path, "rb").read(), allocate=False)
+    interp = kp.export._tflite_lib.interpreter(open(path, "rb").read(), allocate=False)
     scales = [t["quantization"][0] for t in interp.get_tensor_details()]
     for name in ("re_lu_quant", "dense_quant"):
         scale, _ = tf_quant_params(float(np_(qs[name].min)), float(np_(qs[name].max)))

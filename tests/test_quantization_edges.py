@@ -556,7 +556,7 @@ def test_a_qat_dense_on_a_sequence_exports_full_integer(tmp_path):
     qat.compile("sgd", "mse")
     qat.fit(x, np.ones((64, 4), "float32"), epochs=1, verbose=0)
     report = kp.export_tflite(qat, tmp_path / "m.tflite", "int8")
-    interp = kp.backend.tflite.interpreter((tmp_path / "m.tflite").read_bytes(), allocate=False)
+    interp = kp.export._tflite_lib.interpreter((tmp_path / "m.tflite").read_bytes(), allocate=False)
     assert all(np.dtype(t["dtype"]) != np.float32 for t in interp.get_tensor_details())
     step = report["output_quantization"][0]
     got = kp.tflite_predict(tmp_path / "m.tflite", x)

@@ -2,7 +2,7 @@
 
 This `__init__` is the dispatch only: the implementation module (`tensorflow`, `jax` or
 `torch` beside this file) is chosen once, at import, from `keras.backend.backend()`, and its
-interface is exposed here. Those modules, `tflite.py` (TensorFlow Lite, on any backend) and the
+interface is exposed here. Those modules, `keras_perf/export/_tflite_lib.py` (TensorFlow Lite, on any backend) and the
 train step's backend modules (`keras_perf/train_step/<backend>.py`) are the only places in
 keras-perf that import a backend framework at module level; private Keras attributes are read
 in `keras_perf/_keras_internals.py` alone.

@@ -1,6 +1,7 @@
-"""Deployment: TFLite export with post-training quantization, and a model-size report.
+"""Deployment: TFLite and ONNX export, their runners, the model-size and inference reports.
 
-Public names: `export_tflite`, `tflite_predict`, `compression_report`.
+Public names: `export_tflite`, `tflite_predict`, `compression_report`, `export_onnx`,
+`onnx_predict`, `inference_report` (`InferenceReport`).
 
 The parts:
 
@@ -15,11 +16,13 @@ The parts:
 - `_qat`: the int8 TFLite export of a quantization-aware model from its learned ranges (export
   depends on `keras_perf.quantization`; quantization never imports export);
 - `_onnx`, `_onnx_predict`: `export_onnx` and `onnx_predict` (ONNX Runtime,
-  `keras_perf.backend.onnx`); `_onnx_qat`: a quantization-aware model's learned ranges in the
+  `keras_perf.export._onnx_lib`); `_onnx_qat`: a quantization-aware model's learned ranges in the
   ONNX file;
+- `_tflite_lib`: the TFLite converter and interpreter calls (TensorFlow imported lazily);
+- `_onnx_lib`: the ONNX export, graph rewrites, ONNX Runtime quantization and sessions
+  (onnx/onnxruntime imported lazily). Both serve every Keras backend, so they live here, with
+  their only user, and not in `keras_perf/backend/` (the Keras-backend dispatch alone);
 - `_inference_report`: `inference_report`, every format timed side by side.
-
-Not here: the TFLite converter and interpreter calls (`keras_perf.backend.tflite`).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 yielding samples) into one array per input in `model.inputs` order; `_check_calibration`
 checks it against the model's inputs (shapes, counts, finite values and outputs) before
 TFLite's calibrator sees it; `_dataset` feeds it to the converter. Not here: the conversion
-(`_convert`, `keras_perf.backend.tflite`).
+(`_convert`, `keras_perf.export._tflite_lib`).
 """
 
 from __future__ import annotations

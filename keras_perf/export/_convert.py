@@ -14,7 +14,7 @@
 
 This module holds the function and its flow only. Not here: the path and model-input checks
 (`_checks`), the calibration data (`_calibration`), the child process (`_tensorflow_process`),
-the file's metadata and report (`_metadata`), the converter itself (`keras_perf.backend.tflite`),
+the file's metadata and report (`_metadata`), the converter itself (`keras_perf.export._tflite_lib`),
 and a quantization-aware model's export (`_qat`).
 """
 
@@ -29,7 +29,7 @@ import keras
 
 from keras_perf._imports import require
 from keras_perf._utils import check_bool
-from keras_perf.backend import tflite as _tflite
+from keras_perf.export import _tflite_lib as _tflite
 from keras_perf.export._calibration import _calibration, _check_calibration, _dataset
 from keras_perf.export._checks import (
     _check_export_arguments,

@@ -14,14 +14,16 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
+from typing import NamedTuple
 
 import keras
 import numpy as np
 
+from keras_perf import _keras_internals as keras_internals
 from keras_perf._imports import require
 from keras_perf._utils import check_int, check_number
 
-FORMATS = ("keras", "onnx", "onnx-int8", "tflite", "tflite-int8")
 _COLUMNS = (
     "format",
     "batch_size",
@@ -106,19 +108,10 @@ class InferenceReport:
 
 def available_formats(model) -> list[str]:
     """The formats `inference_report` can measure for `model` here."""
-    import importlib.util
-
     from keras_perf import quantization as _quantization
-    from keras_perf.backend.onnx import EXPORTERS
 
     qat = _quantization.is_quantized_model(model)
-    out = ["keras"]
-    exporter = EXPORTERS.get(keras.backend.backend())  # Keras' ONNX exporter of the backend
-    if all(importlib.util.find_spec(m) for m in ("onnx", "onnxruntime", exporter or "onnx")):
-        out += ["onnx-int8"] if qat else ["onnx", "onnx-int8"]
-    if importlib.util.find_spec("tensorflow"):
-        out += ["tflite-int8"] if qat else ["tflite", "tflite-int8"]
-    return out
+    return [f.name for f in _FORMATS if f.available(qat)]
 
 
 def inference_report(
@@ -216,7 +209,7 @@ def inference_report(
         _accuracy(reference, labels)  # The labels' shape against the output's, before exporting.
 
     with tempfile.TemporaryDirectory() as tmp:
-        runners = {f: _runner(f, model, calib, tmp, threads) for f in formats}
+        runners = {f: _BY_NAME[f].runner(f, model, calib, tmp, threads) for f in formats}
         rows = []
         for b in sizes:
             index = np.arange(b) % n
@@ -339,8 +332,10 @@ def _output_kind(model, reference) -> str:
 def _output_activation(model) -> str | None:
     """The name of the activation that makes `model`'s first output, if one is found."""
     try:
-        layer = model.outputs[0]._keras_history[0]
+        layer = keras_internals.producer(model.outputs[0])
     except (AttributeError, IndexError, TypeError, ValueError):
+        layer = None
+    if layer is None:
         layers = getattr(model, "layers", None)
         layer = layers[-1] if layers else None
     while isinstance(layer, keras.Model) and layer.layers:  # A nested model: its last layer.
@@ -408,47 +403,47 @@ def _accuracy(out, labels) -> float:
     return float((out.argmax(-1) == labels.argmax(-1)).mean())  # CategoricalAccuracy
 
 
-def _runner(fmt, model, calib, tmp, threads):
+def _keras_runner(fmt, model, calib, tmp, threads):
     """(batch -> zero-argument call, arrays -> first output, file bytes) for one format."""
-    if fmt == "keras":
-        size = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in model.weights)
+    size = sum(int(np.prod(v.shape)) * np.dtype(v.dtype).itemsize for v in model.weights)
 
-        def keras_call(batch):
-            data = _pack(model, batch)
-            return lambda: model.predict_on_batch(data)
+    def keras_call(batch):
+        data = _pack(model, batch)
+        return lambda: model.predict_on_batch(data)
 
-        def keras_all(arrays):
-            out = model.predict(_pack(model, arrays), verbose=0, batch_size=64)
-            return keras.tree.flatten(out)[0]
+    def keras_all(arrays):
+        out = model.predict(_pack(model, arrays), verbose=0, batch_size=64)
+        return keras.tree.flatten(out)[0]
 
-        return keras_call, keras_all, size
-    if fmt.startswith("onnx"):
-        from keras_perf.backend import onnx as _onnx
-        from keras_perf.export._onnx import export_onnx
-        from keras_perf.export._onnx_predict import feeds
+    return keras_call, keras_all, size
 
-        path = os.path.join(tmp, f"{fmt}.onnx")
-        int8 = fmt == "onnx-int8"
-        from keras_perf import quantization as _quantization
 
-        data = None if not int8 or _quantization.is_quantized_model(model) else calib
-        report = export_onnx(model, path, "int8" if int8 else None, data)
-        sess = _onnx.session(path, threads)
+def _onnx_runner(fmt, model, calib, tmp, threads):
+    from keras_perf.export import _onnx_lib as _onnx
+    from keras_perf.export._onnx import export_onnx
+    from keras_perf.export._onnx_predict import feeds
 
-        def onnx_call(batch):
-            f = feeds(sess, batch)
-            return lambda: sess.run(None, f)
+    path = os.path.join(tmp, f"{fmt}.onnx")
+    int8 = fmt == "onnx-int8"
+    from keras_perf import quantization as _quantization
 
-        def onnx_all(arrays):
-            return _onnx.run(sess, feeds(sess, arrays), 64)[0]
+    data = None if not int8 or _quantization.is_quantized_model(model) else calib
+    report = export_onnx(model, path, "int8" if int8 else None, data)
+    sess = _onnx.session(path, threads)
 
-        return onnx_call, onnx_all, report["bytes"]
-    return _tflite_runner(fmt, model, calib, tmp, threads)
+    def onnx_call(batch):
+        f = feeds(sess, batch)
+        return lambda: sess.run(None, f)
+
+    def onnx_all(arrays):
+        return _onnx.run(sess, feeds(sess, arrays), 64)[0]
+
+    return onnx_call, onnx_all, report["bytes"]
 
 
 def _tflite_runner(fmt, model, calib, tmp, threads):
     from keras_perf import quantization as _quantization
-    from keras_perf.backend import tflite as _tflite
+    from keras_perf.export import _tflite_lib as _tflite
     from keras_perf.export._convert import export_tflite
     from keras_perf.export._metadata import _stored_input_order
     from keras_perf.export._predict import _feeds, tflite_predict
@@ -485,3 +480,40 @@ def _tflite_runner(fmt, model, calib, tmp, threads):
         return keras.tree.flatten(out)[0]
 
     return tflite_call, tflite_all, report["bytes"]
+
+
+def _onnx_available(qat: bool) -> bool:
+    import importlib.util
+
+    from keras_perf.export._onnx_lib import EXPORTERS
+
+    exporter = EXPORTERS.get(keras.backend.backend())  # Keras' ONNX exporter of the backend
+    return all(importlib.util.find_spec(m) for m in ("onnx", "onnxruntime", exporter or "onnx"))
+
+
+def _tflite_available(qat: bool) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("tensorflow") is not None
+
+
+class _Format(NamedTuple):
+    """One format of the report: `available(qat)` says whether it can run here (for a
+    quantization-aware model when `qat`); `runner(fmt, model, calib, tmp, threads)` writes the
+    file and returns (batch -> zero-argument call, arrays -> first output, file bytes)."""
+
+    name: str
+    available: Callable[[bool], bool]
+    runner: Callable
+
+
+# The formats, in report order. A new format: one module that writes and runs it, and one entry.
+_FORMATS = (
+    _Format("keras", lambda qat: True, _keras_runner),
+    _Format("onnx", lambda qat: not qat and _onnx_available(qat), _onnx_runner),
+    _Format("onnx-int8", _onnx_available, _onnx_runner),
+    _Format("tflite", lambda qat: not qat and _tflite_available(qat), _tflite_runner),
+    _Format("tflite-int8", _tflite_available, _tflite_runner),
+)
+_BY_NAME = {f.name: f for f in _FORMATS}
+FORMATS = tuple(_BY_NAME)

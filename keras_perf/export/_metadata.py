@@ -3,7 +3,7 @@
 `export_tflite` (and the quantization-aware export) store the model's input names, in
 `model.inputs` order, in the file's metadata under `METADATA_NAME`; `_stored_input_order`
 reads them back (`tflite_predict` uses it), and `_report` is the dict `export_tflite`
-returns. Not here: reading and writing the flatbuffer itself (`keras_perf.backend.tflite`).
+returns. Not here: reading and writing the flatbuffer itself (`keras_perf.export._tflite_lib`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from keras_perf.backend import tflite as _tflite
+from keras_perf.export import _tflite_lib as _tflite
 
 METADATA_NAME = "keras_perf"
 

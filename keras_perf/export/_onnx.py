@@ -2,7 +2,7 @@
 back to numpy outputs through ONNX Runtime.
 
 The float graph is Keras' own `model.export(format="onnx")` on every backend; quantization is
-ONNX Runtime's (see `keras_perf.backend.onnx`). A quantization-aware model's learned ranges
+ONNX Runtime's (see `keras_perf.export._onnx_lib`). A quantization-aware model's learned ranges
 are read by `_onnx_qat`. The calibration data checks are `export_tflite`'s (`_calibration`).
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import keras
 import numpy as np
 
-from keras_perf.backend import onnx as _onnx
+from keras_perf.export import _onnx_lib as _onnx
 from keras_perf.export._calibration import _calibration, _check_calibration
 from keras_perf.export._checks import (
     _check_export_arguments,

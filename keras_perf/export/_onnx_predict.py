@@ -1,5 +1,5 @@
 """`onnx_predict`: run an `.onnx` file with ONNX Runtime on inputs given as `model.predict` takes
-them. Not here: the session and its settings (`keras_perf.backend.onnx`)."""
+them. Not here: the session and its settings (`keras_perf.export._onnx_lib`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 import numpy as np
 
 from keras_perf._utils import check_int
-from keras_perf.backend import onnx as _onnx
+from keras_perf.export import _onnx_lib as _onnx
 
 METADATA_KEY = "keras_perf"  # What `export_onnx` writes (`_onnx.METADATA_KEY`).
 

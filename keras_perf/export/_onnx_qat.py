@@ -28,7 +28,7 @@ import numpy as np
 
 from keras_perf import _keras_internals as keras_internals
 from keras_perf._utils import iter_layers
-from keras_perf.backend import onnx as _onnx
+from keras_perf.export import _onnx_lib as _onnx
 from keras_perf.quantization import (
     QUANTIZED_CLASSES,
     ActivationQuantizer,

@@ -1,7 +1,7 @@
 """`tflite_predict`: run a `.tflite` file on inputs given as `model.predict` takes them.
 
 `_feeds` matches `x` (an array, a list in `model.inputs` order, or a name-keyed dict) to the
-file's input tensors and checks it. Not here: the interpreter (`keras_perf.backend.tflite`)
+file's input tensors and checks it. Not here: the interpreter (`keras_perf.export._tflite_lib`)
 and the stored input order (`_metadata`).
 """
 
@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from keras_perf._utils import check_int
-from keras_perf.backend import tflite as _tflite
+from keras_perf.export import _tflite_lib as _tflite
 from keras_perf.export._metadata import _stored_input_order
 
 

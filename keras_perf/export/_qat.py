@@ -22,7 +22,7 @@ import tempfile
 
 import keras
 
-from keras_perf.backend import tflite as _tflite
+from keras_perf.export import _tflite_lib as _tflite
 from keras_perf.export._checks import _check_path, _input_specs, refuse_reduced_precision_qat
 from keras_perf.export._errors import RECURRENT, describe_layers, graph_layers, select_tf_ops_error
 from keras_perf.export._metadata import METADATA_NAME, _report

@@ -3,7 +3,7 @@
 The graph comes from Keras' own `model.export(path, format="onnx")` (tf2onnx on TensorFlow,
 jax2onnx on JAX, `torch.onnx` with onnxscript on PyTorch); quantization from ONNX Runtime's
 tools (`quant_pre_process`, `quantize_static`, `quantize_dynamic`, the float16 converter).
-Like `keras_perf.backend.tflite`, this module serves every backend and imports its packages
+Like `keras_perf.export._tflite_lib`, this module serves every backend and imports its packages
 lazily, inside each function. Checked with Keras 3.15.1, onnx 1.23, onnxruntime 1.32,
 tf2onnx 1.17, jax2onnx 0.17, onnxscript 0.7.
 

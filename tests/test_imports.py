@@ -412,8 +412,7 @@ def test_no_package_imports_another_package_s_private_module():
 # is Keras' own (backend-neutral) private state, and the ground floor (`_utils`,
 # `train_step._base`) needs it; in `backend/` every reader would run the backend dispatch first.
 KERAS_PRIVATE_GRAPH_ATTRIBUTES = ("_keras_history", "_inbound_nodes", "_outbound_nodes")
-# Files still reading one directly, each edited by another branch of issue 42 while this one
-# was written; route them through `_keras_internals.producer`/a new reader there, then drop them.
+# Files allowed to read one directly besides `_keras_internals` (none: every reader moved there).
 GRAPH_ATTRIBUTE_EXCEPTIONS: set[str] = set()
 
 

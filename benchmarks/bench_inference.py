@@ -43,7 +43,7 @@ import keras
 import numpy as np
 
 import keras_perf as kp
-from keras_perf.export import _onnx_lib as _onnx
+from keras_perf.export import _onnx_session
 from keras_perf.export import _tflite_lib as _tflite
 from keras_perf.export._inference_report import available_formats
 from keras_perf.export._onnx_predict import feeds
@@ -154,7 +154,7 @@ def speed_rows(name, model, small, repeats, tmp, shrunk=None, keras_rows=True):
     ):
         paths[tag] = os.path.join(tmp, f"{name}-{tag}.onnx")
         kp.export_onnx(m, paths[tag], q, representative_data=x if q else None)
-    sess = {tag: _onnx.session(p, os.cpu_count()) for tag, p in paths.items()}
+    sess = {tag: _onnx_session.session(p, os.cpu_count()) for tag, p in paths.items()}
     tflite = tflite_files(model, x, tmp, name.split()[0])
     formats = [f for f in available_formats(model) if tflite or not f.startswith("tflite")]
     report = kp.inference_report(model, x, batch_sizes=(1, 64), formats=formats, repeats=repeats)

@@ -34,8 +34,7 @@ import keras
 import numpy as np
 
 import keras_perf as kp
-from keras_perf.export import _onnx_lib as _onnx
-from keras_perf.export._onnx import _Reader
+from keras_perf.export import _onnx_export, _onnx_quantize
 
 from ._harness import accuracy_row, digits, finish, parse_args
 from .bench_qat import BATCH, EPOCHS, FINE_TUNE_LR, accuracy, cnn, compile_
@@ -48,12 +47,12 @@ def ptq_4bit(float_path, out, x, per_channel):
     from onnxruntime import quantization as q
 
     prepared = out + ".prepared.onnx"
-    _onnx.pre_process(float_path, prepared)
-    with _onnx.quiet_logs():
+    _onnx_quantize.pre_process(float_path, prepared)
+    with _onnx_export.quiet_logs():
         q.quantize_static(
             prepared,
             out,
-            _Reader([x], ["image"]),
+            _onnx_quantize.CalibrationReader([x], ["image"]),
             quant_format=q.QuantFormat.QDQ,
             per_channel=per_channel,
             activation_type=q.QuantType.QUInt8,

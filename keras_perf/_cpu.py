@@ -2,7 +2,7 @@
 
 Read once per process. Used where code adapts to the CPU at hand: the bfloat16 units
 `kp.precision_report()` names, and the int8 dot-product instructions (VNNI) whose absence
-makes ONNX Runtime's fused uint8 x int8 kernels saturate (`keras_perf.export._onnx_lib`).
+makes ONNX Runtime's fused uint8 x int8 kernels saturate (`keras_perf.export._onnx_session`).
 """
 
 from __future__ import annotations

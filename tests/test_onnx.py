@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import keras_perf as kp
-from keras_perf.export import _onnx_lib as _onnx
+from keras_perf.export import _onnx_export, _onnx_graph, _onnx_quantize, _onnx_session
 from keras_perf.quantization import ActivationQuantizer
 
 onnx = pytest.importorskip("onnx")
@@ -78,7 +78,7 @@ def test_int8_agrees_on_digits(trained, files, data):
     _, (xv, yv) = data
     report = files["int8"]
     proto = onnx.load(report["path"])
-    assert _onnx.float_ops(proto) == []  # every Conv and Gemm runs in int8
+    assert _onnx_graph.float_ops(proto) == []  # every Conv and Gemm runs in int8
     assert {"QuantizeLinear", "DequantizeLinear"} <= {n.op_type for n in proto.graph.node}
     keras_logits = trained.predict(xv, verbose=0)
     out = kp.onnx_predict(report["path"], xv)
@@ -106,7 +106,7 @@ def test_qat_file_has_the_learned_ranges(trained, data, tmp_path):
     # directly): what `fit` does to them, without compiling a train step (~40 s on JAX).
     qat(x[:512], training=True)
     report = kp.export_onnx(qat, tmp_path / "qat.onnx", "int8")  # no calibration data
-    params = _onnx.quantization_params(onnx.load(report["path"]))
+    params = _onnx_graph.quantization_params(onnx.load(report["path"]))
     file_scales = np.array([float(s) for s, _ in params.values()])
     quantizers = [q for q in qat.layers if isinstance(q, ActivationQuantizer)]
     assert len(quantizers) == 4  # input, conv block, dense 32, output
@@ -208,14 +208,14 @@ def test_int8_file_left_in_float_is_refused(trained, data, tmp_path, monkeypatch
     def no_quantization(src, dst, *args, **kwargs):
         shutil.copy(src, dst)
 
-    monkeypatch.setattr(_onnx, "quantize", no_quantization)
+    monkeypatch.setattr(_onnx_quantize, "quantize", no_quantization)
     path = tmp_path / "m.onnx"
     with pytest.raises(ValueError, match=r"left 3 weight op\(s\) in float"):
         kp.export_onnx(trained, path, "int8", representative_data=x[:64])
     assert not path.exists()
 
 
-@pytest.mark.parametrize("module", ["onnxruntime", "onnx", _onnx.EXPORTERS[BACKEND]])
+@pytest.mark.parametrize("module", ["onnxruntime", "onnx", _onnx_export.EXPORTERS[BACKEND]])
 def test_missing_package_names_the_extra(files, module, monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, module, None)  # import fails, find_spec raises
     extra = "onnx-jax" if module == "jax2onnx" else "onnx"
@@ -353,8 +353,8 @@ def test_qat_with_nested_models_exports_its_learned_ranges(data, tmp_path):
     inner = qat.get_layer("body").get_layer("body_dense")
     report = kp.export_onnx(qat, tmp_path / "nested.onnx", "int8")
     proto = onnx.load(report["path"])
-    assert _onnx.float_ops(proto) == []
-    params = _onnx.quantization_params(proto)
+    assert _onnx_graph.float_ops(proto) == []
+    params = _onnx_graph.quantization_params(proto)
     # The quantizers inside the nested models are in the file, with their learned ranges.
     for name in ("body_dense_quant", "head_dense_quant"):
         q = qat.get_layer(name.split("_")[0]).get_layer(name)
@@ -445,12 +445,12 @@ def _pretend_cpu(monkeypatch, flags):
 
 def test_int8_saturation_follows_the_cpu(monkeypatch):
     _pretend_cpu(monkeypatch, {"avx2", "fma"})
-    assert _onnx.int8_kernels_saturate()
+    assert _onnx_session.int8_kernels_saturate()
     for vnni in ("avx512_vnni", "avx_vnni", "amx_int8"):
         _pretend_cpu(monkeypatch, {"avx2", vnni})
-        assert not _onnx.int8_kernels_saturate()
+        assert not _onnx_session.int8_kernels_saturate()
     _pretend_cpu(monkeypatch, set())  # /proc/cpuinfo unreadable: nothing is assumed
-    assert not _onnx.int8_kernels_saturate()
+    assert not _onnx_session.int8_kernels_saturate()
 
 
 def test_int8_weights_in_7_bits_and_full_range_files_run_unfused_where_they_saturate(
@@ -467,12 +467,12 @@ def test_int8_weights_in_7_bits_and_full_range_files_run_unfused_where_they_satu
         trained, tmp_path / "full.onnx", "int8", representative_data=x, reduce_range=False
     )
     assert seven["reduce_range"] and not full["reduce_range"]
-    assert not _onnx.saturating_int8_weights(onnx.load(seven["path"]))
-    assert _onnx.saturating_int8_weights(onnx.load(full["path"]))
+    assert not _onnx_session.saturating_int8_weights(onnx.load(seven["path"]))
+    assert _onnx_session.saturating_int8_weights(onnx.load(full["path"]))
     assert not kp.export_onnx(trained, tmp_path / "dyn.onnx", "dynamic")["reduce_range"]
 
     def level(path):
-        return _onnx.session(path).get_session_options().graph_optimization_level
+        return _onnx_session.session(path).get_session_options().graph_optimization_level
 
     basic = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     _pretend_cpu(monkeypatch, {"avx2"})
@@ -676,7 +676,9 @@ def test_a_graph_needing_inputs_the_model_lacks_is_refused(tmp_path, monkeypatch
     # The safety net under the fold: a captured tensor the exporter made a graph input.
     import contextlib
 
-    monkeypatch.setattr(_onnx, "_constant_statistics", lambda model: contextlib.nullcontext())
+    monkeypatch.setattr(
+        _onnx_export, "_constant_statistics", lambda model: contextlib.nullcontext()
+    )
     x, _ = _tabular(50)
     with pytest.raises(ValueError, match=r"needs 2 input\(s\) the model does not have"):
         kp.export_onnx(_normalized_model(x), tmp_path / "m.onnx")

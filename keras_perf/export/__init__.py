@@ -15,13 +15,17 @@ The parts:
 - `_compression`: `compression_report`;
 - `_qat`: the int8 TFLite export of a quantization-aware model from its learned ranges (export
   depends on `keras_perf.quantization`; quantization never imports export);
-- `_onnx`, `_onnx_predict`: `export_onnx` and `onnx_predict` (ONNX Runtime,
-  `keras_perf.export._onnx_lib`); `_onnx_qat`: a quantization-aware model's learned ranges in the
-  ONNX file;
+- `_onnx`, `_onnx_predict`: `export_onnx` and `onnx_predict`, their argument checks and flow;
+  `_onnx_qat`: a quantization-aware model's learned ranges in the ONNX file;
 - `_tflite_lib`: the TFLite converter and interpreter calls (TensorFlow imported lazily);
-- `_onnx_lib`: the ONNX export, graph rewrites, ONNX Runtime quantization and sessions
-  (onnx/onnxruntime imported lazily). Both serve every Keras backend, so they live here, with
-  their only user, and not in `keras_perf/backend/` (the Keras-backend dispatch alone);
+- the ONNX library calls, one module per concern (onnx/onnxruntime imported lazily):
+  `_onnx_export` (Keras' `model.export(format="onnx")`, its exporter per Keras backend in
+  `EXPORTERS`, and what the `onnx` extra must hold), `_onnx_graph` (the proto's reads and
+  rewrites, the checks of a quantized file), `_onnx_quantize` (ONNX Runtime's pre-processing,
+  calibration reader and quantization), `_onnx_session` (ONNX Runtime's sessions, and the int8
+  kernels that saturate on a CPU without VNNI). They and `_tflite_lib` serve every Keras
+  backend, so they live here, with their only user, and not in `keras_perf/backend/` (the
+  Keras-backend dispatch alone);
 - `_inference_report`: `inference_report`, every format timed side by side.
 """
 

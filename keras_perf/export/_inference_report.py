@@ -419,7 +419,7 @@ def _keras_runner(fmt, model, calib, tmp, threads):
 
 
 def _onnx_runner(fmt, model, calib, tmp, threads):
-    from keras_perf.export import _onnx_lib as _onnx
+    from keras_perf.export import _onnx_session
     from keras_perf.export._onnx import export_onnx
     from keras_perf.export._onnx_predict import feeds
 
@@ -429,14 +429,14 @@ def _onnx_runner(fmt, model, calib, tmp, threads):
 
     data = None if not int8 or _quantization.is_quantized_model(model) else calib
     report = export_onnx(model, path, "int8" if int8 else None, data)
-    sess = _onnx.session(path, threads)
+    sess = _onnx_session.session(path, threads)
 
     def onnx_call(batch):
         f = feeds(sess, batch)
         return lambda: sess.run(None, f)
 
     def onnx_all(arrays):
-        return _onnx.run(sess, feeds(sess, arrays), 64)[0]
+        return _onnx_session.run(sess, feeds(sess, arrays), 64)[0]
 
     return onnx_call, onnx_all, report["bytes"]
 
@@ -485,7 +485,7 @@ def _tflite_runner(fmt, model, calib, tmp, threads):
 def _onnx_available(qat: bool) -> bool:
     import importlib.util
 
-    from keras_perf.export._onnx_lib import EXPORTERS
+    from keras_perf.export._onnx_export import EXPORTERS
 
     exporter = EXPORTERS.get(keras.backend.backend())  # Keras' ONNX exporter of the backend
     return all(importlib.util.find_spec(m) for m in ("onnx", "onnxruntime", exporter or "onnx"))

@@ -1,8 +1,8 @@
 """`export_onnx` and `onnx_predict`: a Keras 3 model to an ONNX file (float, float16, int8) and
 back to numpy outputs through ONNX Runtime.
 
-The float graph is Keras' own `model.export(format="onnx")` on every backend; quantization is
-ONNX Runtime's (see `keras_perf.export._onnx_lib`). A quantization-aware model's learned ranges
+The float graph is Keras' own `model.export(format="onnx")` on every backend (`_onnx_export`);
+quantization is ONNX Runtime's (`_onnx_quantize`). A quantization-aware model's learned ranges
 are read by `_onnx_qat`. The calibration data checks are `export_tflite`'s (`_calibration`).
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import keras
 import numpy as np
 
-from keras_perf.export import _onnx_lib as _onnx
+from keras_perf.export import _onnx_export, _onnx_graph, _onnx_quantize
 from keras_perf.export._calibration import _calibration, _check_calibration
 from keras_perf.export._checks import (
     _check_export_arguments,
@@ -148,7 +148,7 @@ def export_onnx(
     if not qat:
         model = export_twin(model, "export_onnx", seed_state=False)  # Mixed precision.
     backend = keras.backend.backend()
-    _onnx.require_onnx("export_onnx", backend)
+    _onnx_export.require_onnx("export_onnx", backend)
     calibration = None
     if quantization == "int8" and not qat:
         calibration = _calibration(representative_data, specs, _input_count(model))
@@ -167,22 +167,26 @@ def export_onnx(
             graph = _onnx_qat.float_copy(model)
         _call_once(graph, specs)  # Keras exports a model only after it has been called.
         float_path = os.path.join(tmp, "float.onnx")
-        _onnx.export_float(graph, float_path)
+        _onnx_export.export_float(graph, float_path)
         out = os.path.join(tmp, "out.onnx")
         if quantization is None:
             out = float_path
         elif quantization in ("float16", "dynamic"):
-            _onnx.quantize(float_path, out, quantization, reduce_range=reduce_range)
+            _onnx_quantize.quantize(float_path, out, quantization, reduce_range=reduce_range)
         else:
             prepared = os.path.join(tmp, "prepared.onnx")
-            _onnx.pre_process(float_path, prepared)
+            _onnx_quantize.pre_process(float_path, prepared)
             ranges, reader = None, None
             if qat:
                 ranges = _onnx_qat.learned_ranges(model, graph, prepared)
             else:
-                reader = _Reader(calibration, _file_inputs(prepared, names))
+                reader = _onnx_quantize.CalibrationReader(
+                    calibration, _file_inputs(prepared, names)
+                )
             cache = os.path.join(tmp, "ranges.json")
-            _onnx.quantize(prepared, out, "int8", reader, ranges, cache, reduce_range=reduce_range)
+            _onnx_quantize.quantize(
+                prepared, out, "int8", reader, ranges, cache, reduce_range=reduce_range
+            )
             _refuse_float(out, qat)
         _write(out, path, names, _output_keys(model))
     return {**_report(path, quantization), "reduce_range": bool(reduce_range)}
@@ -208,25 +212,10 @@ def _file_inputs(path, names: list[str]) -> list[str]:
     return file_names  # Positional: the exporters keep `model.inputs` order.
 
 
-class _Reader:
-    """ONNX Runtime's `CalibrationDataReader`: the checked calibration arrays, 32 at a time."""
-
-    def __init__(self, arrays, names):
-        self.arrays, self.names, self.start = arrays, names, 0
-
-    def get_next(self):
-        n = len(self.arrays[0])
-        if self.start >= n:
-            return None
-        s = slice(self.start, self.start + 32)
-        self.start += 32
-        return {name: a[s] for name, a in zip(self.names, self.arrays)}
-
-
 def _refuse_float(path, qat: bool) -> None:
     import onnx
 
-    left = _onnx.float_ops(onnx.load(str(path)))
+    left = _onnx_graph.float_ops(onnx.load(str(path)))
     if left:
         why = (
             "a tensor around them has no learned range (put the layers through "

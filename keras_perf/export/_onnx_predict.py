@@ -1,5 +1,5 @@
 """`onnx_predict`: run an `.onnx` file with ONNX Runtime on inputs given as `model.predict` takes
-them. Not here: the session and its settings (`keras_perf.export._onnx_lib`)."""
+them. Not here: the session and its settings (`keras_perf.export._onnx_session`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import os
 import numpy as np
 
 from keras_perf._utils import check_int
-from keras_perf.export import _onnx_lib as _onnx
+from keras_perf.export import _onnx_export, _onnx_session
 
 METADATA_KEY = "keras_perf"  # What `export_onnx` writes (`_onnx.METADATA_KEY`).
 
@@ -56,11 +56,11 @@ def onnx_predict(path: str | os.PathLike, x, batch_size: int | None = None, *, n
         raise TypeError(f"`path` must be a str or path-like, got {type(path).__name__}.")
     check_int("batch_size", batch_size, minimum=1, allow_none=True)
     check_int("num_threads", num_threads, minimum=1, allow_none=True)
-    _onnx.require_onnx("onnx_predict")
+    _onnx_export.require_onnx("onnx_predict")
     if not os.path.isfile(path):
         raise ValueError(f"`path` {str(path)!r} is not a file.")
     sess = _session(path, num_threads)
-    outputs = _onnx.run(sess, feeds(sess, x), batch_size)
+    outputs = _onnx_session.run(sess, feeds(sess, x), batch_size)
     keys = stored_outputs(sess)
     if keys is not None and len(keys) == len(outputs):
         return dict(zip(keys, outputs))
@@ -70,7 +70,7 @@ def onnx_predict(path: str | os.PathLike, x, batch_size: int | None = None, *, n
 def _session(path, num_threads):
     """ONNX Runtime's session of `path`, or a `ValueError` for a file it cannot load."""
     try:
-        return _onnx.session(path, num_threads)
+        return _onnx_session.session(path, num_threads)
     except Exception as e:  # protobuf's DecodeError, ORT's InvalidProtobuf/Fail...
         raise ValueError(
             f"`path` {str(path)!r} is not an ONNX model ONNX Runtime can load "

@@ -28,7 +28,7 @@ import numpy as np
 
 from keras_perf import _keras_internals as keras_internals
 from keras_perf._utils import iter_layers
-from keras_perf.export import _onnx_lib as _onnx
+from keras_perf.export import _onnx_graph, _onnx_session
 from keras_perf.quantization import (
     QUANTIZED_CLASSES,
     ActivationQuantizer,
@@ -251,7 +251,7 @@ def learned_ranges(qat, copy, prepared: str) -> dict[str, tuple[float, float]]:
             known.get(name)
             or onnx.helper.make_tensor_value_info(name, onnx.TensorProto.FLOAT, None)
         )
-    sess = _onnx.session(proto.SerializeToString(), threads=1)
+    sess = _onnx_session.session(proto.SerializeToString(), threads=1)
     feeds = dict(zip(names, x))
     outputs = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
 
@@ -275,7 +275,7 @@ def _propagate(graph, found: dict) -> None:
             if not node.input or not node.output:
                 continue
             x, y = node.input[0], node.output[0]
-            if node.op_type in _onnx._SAME_SCALE:
+            if node.op_type in _onnx_graph.SAME_SCALE:
                 if x in found and y not in found:
                     found[y], changed = found[x], True
                 elif y in found and x not in found:

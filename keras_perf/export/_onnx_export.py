@@ -1,7 +1,8 @@
 """A Keras model to a float ONNX file that ONNX Runtime loads: Keras' own
 `model.export(path, format="onnx")`, whose exporter differs by backend (tf2onnx on TensorFlow,
-jax2onnx on JAX, `torch.onnx` with onnxscript on PyTorch: `EXPORTERS`), and what the `onnx`
-extra must hold for it. Like `keras_perf.export._tflite_lib`, the ONNX modules serve every
+jax2onnx on JAX, `torch.onnx` with onnxscript on PyTorch: `EXPORTERS`), what the `onnx`
+extra must hold for it (`require_onnx`), and `quiet_logs`, which hides the exporters' and ONNX
+Runtime quantization's INFO and WARNING lines (`_onnx_quantize` uses it too). Like `keras_perf.export._tflite_lib`, the ONNX modules serve every
 backend and import their packages lazily, inside each function. Checked with Keras 3.15.1,
 onnx 1.23, onnxruntime 1.32, tf2onnx 1.17, jax2onnx 0.17, onnxscript 0.7.
 

@@ -1,7 +1,7 @@
 """Claim: calling the measuring tools again and again in one process levels off in memory.
 
-Users call `kp.diagnose`, `kp.find_max_batch_size`, `kp.find_learning_rate` and
-`kp.inference_report` many times in one notebook. Each call builds twins and compiles
+Users call `kp.diagnose`, `kp.find_max_batch_size`, `kp.find_learning_rate`,
+`kp.inference_report` and `kp.accelerate` many times in one notebook. Each call builds twins and compiles
 functions. This script calls each tool `--calls` times (20 by default) on one small model
 (an MLP 16-64-64-4, Adam) with small data, in one process, and reads the process's resident
 memory (RSS, `/proc/self/statm`) after every call. The figure is the growth from call 10 to
@@ -10,7 +10,8 @@ ratio RSS(20) / RSS(10). The user's model survives: no `keras.utils.clear_sessio
 
 Each call is kept short (`diagnose`: 5 steps, `max_seconds=1`, no what-ifs unless `--what-if`;
 `find_learning_rate`: 10 steps; `find_max_batch_size`: one setting, a 64-example cap;
-`inference_report`: Keras' own format alone, batch 1, 3 repeats).
+`inference_report`: Keras' own format alone, batch 1, 3 repeats; `accelerate`: `max_seconds=1`,
+`apply=False`).
 
 Run: `python -m benchmarks.bench_repeated_calls [--quick] [--tools a,b] [--calls N]
 [--json out.json]`. `--quick` runs 12 calls (the growth then from call 6 to 12), `--smoke` 4.
@@ -32,7 +33,13 @@ if os.environ.get("KERAS_BACKEND", "tensorflow") == "tensorflow":
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-TOOLS = ("find_learning_rate", "find_max_batch_size", "diagnose", "inference_report")
+TOOLS = (
+    "find_learning_rate",
+    "find_max_batch_size",
+    "diagnose",
+    "inference_report",
+    "accelerate",
+)
 MIB = 2**20
 
 
@@ -82,6 +89,8 @@ def one_call(tool: str, model, x, y, what_if: bool = False):
         elif tool == "inference_report":
             kp.inference_report(model, x[:64], y[:64], batch_sizes=(1,), formats=["keras"],
                                 repeats=3, pause=0.0)  # fmt: skip
+        elif tool == "accelerate":
+            kp.accelerate(model, x, y, batch_size=32, max_seconds=1, apply=False)
         else:
             raise ValueError(f"unknown tool {tool!r}; choose from {TOOLS}")
 

@@ -169,3 +169,45 @@ def test_step_memory_names_a_measure_of_the_table():
     result = backend.step_memory(model, (x, y, None), lambda: model.train_on_batch(x, y))
     assert result["measure"] in backend.MEASURES
     assert result["bytes"] > 8 * 4 * 4  # at least the batch
+
+
+def _fresh_fit():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    model.compile("adam", "mse")
+    model.fit(np.ones((8, 4), "float32"), np.ones((8, 3), "float32"), verbose=0)
+    return weakref.ref(model.train_function)
+
+
+@pytest.mark.backends("tensorflow")
+def test_traced_graphs_released_frees_a_discarded_models_train_graph():
+    """Issue 41 (memory over repeated use): Keras' TF optimizer sums gradients through a
+    `tf.custom_gradient`, whose graph-mode registry entry kept every traced train graph alive
+    (5-6 MiB a twin). Inside the scope the entries of discarded twins are dropped: the graph
+    is collected and the registry is the size it was; outside it TF keeps them."""
+    from tensorflow.python.eager import context
+    from tensorflow.python.framework import ops
+
+    registry = ops._gradient_registry._registry
+    _fresh_fit()  # the first fit of a process also traces TF's own helpers
+    gc.collect()
+    names, functions = len(registry), len(context.context().list_function_names())
+    with backend.traced_graphs_released():
+        ref = _fresh_fit()
+    gc.collect()
+    assert len(registry) == names
+    assert len(context.context().list_function_names()) == functions
+    assert ref() is None
+    _fresh_fit()  # outside the scope, TensorFlow's own behaviour: one entry more
+    assert len(registry) > names
+
+
+def test_traced_graphs_released_is_a_decorator_and_passes_results_and_errors():
+    @backend.traced_graphs_released()
+    def f(v):
+        if v < 0:
+            raise ValueError("v")
+        return v * 2
+
+    assert f(2) == 4 and f(3) == 6
+    with pytest.raises(ValueError, match="v"):
+        f(-1)

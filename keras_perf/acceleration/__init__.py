@@ -14,6 +14,7 @@ import keras
 import numpy as np
 
 from keras_perf import _fit_measure as _dmeasure
+from keras_perf import backend as _backend
 from keras_perf._inputs import check_fit_data, check_no_ignored_settings
 from keras_perf._inputs import sources as _data
 from keras_perf._utils import KerasPerfWarning, check_bool, check_int, check_number
@@ -93,6 +94,7 @@ def _exactness_data(source, batch_size):
     return None if stacked is None else stacked[0]
 
 
+@_backend.traced_graphs_released()
 def accelerate(model, x, y=None, batch_size=None, *, max_seconds=60, exact=True, apply=True):
     """Measure the execution settings that apply to this backend, apply the fastest exact one.
 

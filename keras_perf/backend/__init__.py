@@ -36,6 +36,10 @@ Interface (every implementation module provides these names):
   TensorFlow only): the scope of the tf.distribute strategy `model` was created under, in which
   a model sharing its layers must be created; whether that strategy spans several workers;
   `flag` OR-ed over them.
+- ``traced_graphs_released()`` (optional; TensorFlow only): a context manager (usable as a
+  decorator) that lets the graphs of train functions traced inside it be freed once unused
+  (TensorFlow keeps every graph with a `tf.custom_gradient` alive otherwise; Keras' optimizer
+  has one); elsewhere a null context. The tools that trace twins' train functions use it.
 - ``global_rng_state() -> object | None`` and ``set_global_rng_state(state)`` (optional;
   torch only): the framework's global RNG state, which `fit` and `clone_model` draw from;
   elsewhere None and a no-op.
@@ -148,6 +152,7 @@ __all__ = [
     "step_memory_unavailable",
     "tf_data_has_stage",
     "tf_data_tuned",
+    "traced_graphs_released",
 ]
 
 is_oom_error = _impl.is_oom_error
@@ -190,6 +195,19 @@ def model_scope(model):
     """
     fn = getattr(_impl, "model_scope", None)
     return contextlib.nullcontext() if fn is None else fn(model)
+
+
+@contextlib.contextmanager
+def traced_graphs_released():
+    """Let the graphs of train functions traced inside be freed once unused (TensorFlow).
+
+    A context manager and, called, a decorator (`@traced_graphs_released()`): the tools that
+    trace their twins' train functions use it, so repeated calls level off in memory. A null
+    context on JAX and torch, whose traces are freed with the functions that hold them.
+    """
+    fn = getattr(_impl, "traced_graphs_released", None)
+    with contextlib.nullcontext() if fn is None else fn():
+        yield
 
 
 def clear_memory() -> None:

@@ -6,6 +6,7 @@ import contextlib
 import os
 
 import tensorflow as tf
+from tensorflow.python.framework import ops
 
 
 def is_oom_error(exc: BaseException) -> bool:
@@ -181,6 +182,33 @@ def clear_memory() -> None:
     # TensorFlow's BFC allocator keeps its pool and has no public call to return it; the
     # tensors of a failed step are freed by the garbage collection the caller runs.
     return None
+
+
+@contextlib.contextmanager
+def traced_graphs_released():
+    """Release the graphs of train functions traced inside, once they are no longer used.
+
+    Why: `tf.custom_gradient` in graph mode registers each traced gradient function in
+    TensorFlow's global gradient registry under a fresh name ("CustomGradient-<n>") and never
+    removes it, and that function holds the graph it was traced in. Keras' TensorFlow
+    optimizer sums gradients through `ReplicaContext.all_reduce`, which is such a custom
+    gradient, so every train function Keras traces stays in memory for the life of the
+    process (5-6 MiB for a small MLP's twin; FACTS.md). The measuring tools trace the train
+    functions of twins they discard, so they drop the entries registered while they ran.
+    A registered entry is read only while gradients are taken through the graph that
+    registered it, which for a train function happens inside its own trace.
+    """
+    registry = getattr(getattr(ops, "_gradient_registry", None), "_registry", None)
+    if not isinstance(registry, dict):  # a TensorFlow whose registry is laid out otherwise
+        yield
+        return
+    before = set(registry)
+    try:
+        yield
+    finally:
+        for name in [k for k in registry if k not in before]:
+            if name.startswith("CustomGradient-"):
+                registry.pop(name, None)
 
 
 def _strategy(model):

@@ -51,6 +51,7 @@ def _check(model, steps, max_seconds, batch_size, what_if, memory_limit_bytes):
     return check_memory_limit("diagnose", memory_limit_bytes)
 
 
+@_backend.traced_graphs_released()
 def diagnose(
     model,
     x,

@@ -243,6 +243,7 @@ def _check_limit(memory_limit_bytes):
     return check_memory_limit(_CALLER, memory_limit_bytes)
 
 
+@_backend.traced_graphs_released()
 def find_max_batch_size(
     model: keras.Model,
     x,

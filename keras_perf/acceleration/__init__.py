@@ -23,7 +23,7 @@ from keras_perf.acceleration._report import Acceleration
 __all__ = ["Acceleration", "accelerate"]
 
 NOISE = 0.05  # a candidate must beat the model's own settings by more than this to be chosen
-MAX_STEPS = 64  # steps per timed fit (fewer when an epoch is shorter)
+MAX_STEPS = _measure.MAX_STEPS  # an epoch of at most this many steps is timed whole
 GENERATOR_BATCHES = 64  # batches taken from a one-pass generator
 PHASE_ONE = 0.7  # share of max_seconds for the single settings; the rest for the pairs
 
@@ -31,7 +31,7 @@ PHASE_ONE = 0.7  # share of max_seconds for the single settings; the rest for th
 class _Context:
     """What the candidates read: the model, its compile arguments and the data."""
 
-    def __init__(self, model, source, batch_size, steps, examples, max_seconds):
+    def __init__(self, model, source, batch_size, steps, examples, max_seconds, epoch_steps=None):
         self.model = model
         self.max_seconds = max_seconds
         self.compile_args = _dmeasure.compile_args(model)
@@ -39,6 +39,16 @@ class _Context:
         self.batch_size = batch_size
         self.steps = steps
         self.examples = examples
+        self.epoch_steps = epoch_steps  # steps of one epoch of the user's fit (None: unknown)
+
+    def epoch(self, batch_size):
+        """(steps, examples) of one epoch of the user's fit at `batch_size`; where the epoch's
+        length is unknown, the timed window of `self.steps` steps stands for it."""
+        if self.examples is not None:
+            return _measure.epoch_steps_of(self.examples, batch_size), self.examples
+        if self.epoch_steps is not None:
+            return self.epoch_steps, self.epoch_steps * batch_size
+        return self.steps, self.steps * batch_size
 
 
 def _check(model, batch_size, max_seconds, exact, apply):
@@ -163,10 +173,10 @@ def _entry(ctx, candidate, fit_kwargs, rows_out):
     """The candidate's twin, warmed up; None (and a row saying why) where it cannot run."""
     try:
         twin = candidate.make()
-        steps = max(ctx.steps // candidate.steps_multiple, 1) * candidate.steps_multiple
-        if candidate.batch_size != ctx.batch_size:
-            steps = max(ctx.steps // 2, 1)
-        entry = _measure.Entry(candidate, twin, fit_kwargs, steps)
+        epoch_steps, epoch_examples = ctx.epoch(candidate.batch_size)
+        known = ctx.examples is not None or ctx.epoch_steps is not None
+        steps = _measure.plan(epoch_steps if known else None, candidate.steps_multiple)
+        entry = _measure.Entry(candidate, twin, fit_kwargs, steps, epoch_steps, epoch_examples)
         with warnings.catch_warnings():
             # The traced step's fallback warning is about a twin: the row says it instead.
             warnings.simplefilter("ignore", KerasPerfWarning)
@@ -205,7 +215,23 @@ def _run(model, source, max_seconds, exact, apply, notes):
         examples = None
         per_epoch = source.batches_per_epoch
     steps = min(MAX_STEPS, per_epoch) if per_epoch else MAX_STEPS
-    ctx = _Context(model, source, B, steps, examples, max_seconds)
+    epoch_steps = _measure.epoch_steps_of(examples, B) if examples is not None else per_epoch
+    ctx = _Context(model, source, B, steps, examples, max_seconds, epoch_steps)
+    if epoch_steps is not None and epoch_steps <= MAX_STEPS:
+        notes.append(
+            f"timed whole epochs of {epoch_steps} steps, as your fit runs them; each figure "
+            f"counts the fit's set-up once per {_measure.EPOCHS_SHOWN} epochs."
+        )
+    elif epoch_steps is not None:
+        notes.append(
+            f"timed fits of {MAX_STEPS} steps, scaled to your epoch of {epoch_steps} steps (the "
+            f"epoch's own work counted once, the fit's set-up once per "
+            f"{_measure.EPOCHS_SHOWN} epochs)."
+        )
+    else:
+        notes.append(
+            f"the epoch's length is unknown: timed fits of {MAX_STEPS} steps stand for an epoch."
+        )
     offered, offer_notes = _candidates.candidates(ctx)
     notes.extend(offer_notes)
 

@@ -2,15 +2,21 @@
 
 The zoo of issue 40: an MLP 64-256-256-10, a small CNN at 28x28, a Transformer encoder (2
 blocks, d 128, seq 64), an LSTM classifier, a small ResNet with BatchNormalization at 32x32 and a
-dict-input model (`--quick`: the MLP and the CNN only, smaller data). For each: two models with
-the same weights, one accelerated (`kp.accelerate(..., max_seconds=...)`, its report printed),
-both warmed up, then whole epochs of `fit` alternated A B B A, the median of the ratios (wall
-and process CPU time). For the MLP, the bare-framework floor too (`_floors.raw_step`: the same
-MLP and Adam written in tf.function / jax.jit / torch), an epoch of its steps against an epoch
-of the accelerated `fit`.
+dict-input model (`--quick`: the MLP and the CNN only, smaller data; `--models mlp,lstm`: the
+models whose names start so). For each, on the backend KERAS_BACKEND names: two models with the
+same weights, one accelerated (`kp.accelerate(..., max_seconds=...)`, its report printed), both
+warmed up with one epoch, then whole 3-epoch fits alternated A B B A, the median of the ratios
+(wall and process CPU time): the gain a real `fit` shows. Beside it, `r.speedup` (what
+accelerate predicted) over that gain (target: within 15 %). For the MLP, the bare-framework
+floor too (`_floors.raw_step`: the same MLP and Adam written in tf.function / jax.jit / torch;
+on torch also its forward under `torch.compile`: the faster of the two is the floor), an epoch
+of its steps against an epoch of the accelerated `fit`.
 
 Ratios below 1 in the first rows are the gain (`fit` after accelerate / plain `fit`); the floor
 row is accelerated `fit` / bare framework (target <= 1.15).
+
+    KERAS_BACKEND=torch python -m benchmarks.bench_accelerate --models mlp --n 2048 \
+        --repeats 3 --max-seconds 10
 """
 
 from __future__ import annotations

@@ -165,7 +165,7 @@ def _torch_compiled_floor(x, y, batch, steps):
     return run
 
 
-def measure(name, build, n, batch, max_seconds, repeats, rows):
+def measure(name, build, n, batch, max_seconds, repeats, rows, compiled_floor=True):
     import keras
 
     import keras_perf as kp
@@ -230,7 +230,7 @@ def measure(name, build, n, batch, max_seconds, repeats, rows):
                 step()
 
         floors[next(iter(floors))] = floor
-        if backend == "torch":
+        if backend == "torch" and compiled_floor:
             floors["torch.compile"] = _torch_compiled_floor(x, y, batch, steps)
         for kind, fn in floors.items():
             res = _harness.abba(fn, _epochs(fast, x, y, batch, 1), repeats=repeats)
@@ -271,7 +271,7 @@ def main() -> None:
         wanted = [w.strip().lower() for w in args.models.split(",")]
         names = tuple(k for k in ZOO if any(k.lower().startswith(w) for w in wanted))
     for name in names:
-        measure(name, ZOO[name], n, 64, max_seconds, repeats, rows)
+        measure(name, ZOO[name], n, 64, max_seconds, repeats, rows, compiled_floor=not args.smoke)
     _harness.finish(rows, args)
 
 

@@ -24,15 +24,16 @@ from keras_perf.acceleration._report import Acceleration
 __all__ = ["Acceleration", "accelerate"]
 
 NOISE = 0.05  # a candidate must beat the model's own settings by more than this to be chosen
-MAX_STEPS = 64  # steps per timed fit (fewer when an epoch is shorter)
+MAX_STEPS = _measure.MAX_STEPS  # an epoch of at most this many steps is timed whole
 GENERATOR_BATCHES = 64  # batches taken from a one-pass generator
-PHASE_ONE = 0.7  # share of max_seconds for the single settings; the rest for the pairs
+PHASE_ONE = 0.6  # share of max_seconds for the single settings
+PHASE_TWO = 0.2  # for the pairs; the rest to confirm the chosen one in fresh rounds
 
 
 class _Context:
     """What the candidates read: the model, its compile arguments and the data."""
 
-    def __init__(self, model, source, batch_size, steps, examples, max_seconds):
+    def __init__(self, model, source, batch_size, steps, examples, max_seconds, epoch_steps=None):
         self.model = model
         self.max_seconds = max_seconds
         self.compile_args = _dmeasure.compile_args(model)
@@ -40,6 +41,16 @@ class _Context:
         self.batch_size = batch_size
         self.steps = steps
         self.examples = examples
+        self.epoch_steps = epoch_steps  # steps of one epoch of the user's fit (None: unknown)
+
+    def epoch(self, batch_size):
+        """(steps, examples) of one epoch of the user's fit at `batch_size`; where the epoch's
+        length is unknown, the timed window of `self.steps` steps stands for it."""
+        if self.examples is not None:
+            return _measure.epoch_steps_of(self.examples, batch_size), self.examples
+        if self.epoch_steps is not None:
+            return self.epoch_steps, self.epoch_steps * batch_size
+        return self.steps, self.steps * batch_size
 
 
 def _check(model, batch_size, max_seconds, exact, apply):
@@ -102,7 +113,9 @@ def accelerate(model, x, y=None, batch_size=None, *, max_seconds=60, exact=True,
     pair of the two that pay; JAX: `steps_per_execution`; torch: Keras' `jit_compile=True`
     (`torch.compile`) and keras-perf's traced train step; everywhere: mixed precision where it
     may pay and twice the batch, listed but not applied) is timed with real `fit` calls on its
-    own twin of `model` with this data, in alternated rounds, and checked against the model's
+    own twin of `model` with this data, in alternated rounds (whole epochs where an epoch has
+    at most 64 steps, longer ones scaled from 64-step fits; the fit's set-up counted once per
+    3 epochs: what a 3-epoch `fit` shows), and checked against the model's
     own settings for exactness (a few steps from the same weights and batches). `model` itself
     is never trained: the fastest exact candidate that beats its own settings by more than 5 %
     is set on it in place (same object, weights, optimizer state, loss and metrics), and the
@@ -165,10 +178,10 @@ def _entry(ctx, candidate, fit_kwargs, rows_out):
     """The candidate's twin, warmed up; None (and a row saying why) where it cannot run."""
     try:
         twin = candidate.make()
-        steps = max(ctx.steps // candidate.steps_multiple, 1) * candidate.steps_multiple
-        if candidate.batch_size != ctx.batch_size:
-            steps = max(ctx.steps // 2, 1)
-        entry = _measure.Entry(candidate, twin, fit_kwargs, steps)
+        epoch_steps, epoch_examples = ctx.epoch(candidate.batch_size)
+        known = ctx.examples is not None or ctx.epoch_steps is not None
+        steps = _measure.plan(epoch_steps if known else None, candidate.steps_multiple)
+        entry = _measure.Entry(candidate, twin, fit_kwargs, steps, epoch_steps, epoch_examples)
         with warnings.catch_warnings():
             # The traced step's fallback warning is about a twin: the row says it instead.
             warnings.simplefilter("ignore", KerasPerfWarning)
@@ -207,7 +220,23 @@ def _run(model, source, max_seconds, exact, apply, notes):
         examples = None
         per_epoch = source.batches_per_epoch
     steps = min(MAX_STEPS, per_epoch) if per_epoch else MAX_STEPS
-    ctx = _Context(model, source, B, steps, examples, max_seconds)
+    epoch_steps = _measure.epoch_steps_of(examples, B) if examples is not None else per_epoch
+    ctx = _Context(model, source, B, steps, examples, max_seconds, epoch_steps)
+    if epoch_steps is not None and epoch_steps <= MAX_STEPS:
+        notes.append(
+            f"timed whole epochs of {epoch_steps} steps, as your fit runs them; each figure "
+            f"counts the fit's set-up once per {_measure.EPOCHS_SHOWN} epochs."
+        )
+    elif epoch_steps is not None:
+        notes.append(
+            f"timed fits of {MAX_STEPS} steps, scaled to your epoch of {epoch_steps} steps (the "
+            f"epoch's own work counted once, the fit's set-up once per "
+            f"{_measure.EPOCHS_SHOWN} epochs)."
+        )
+    else:
+        notes.append(
+            f"the epoch's length is unknown: timed fits of {MAX_STEPS} steps stand for an epoch."
+        )
     offered, offer_notes = _candidates.candidates(ctx)
     notes.extend(offer_notes)
 
@@ -266,7 +295,7 @@ def _run(model, source, max_seconds, exact, apply, notes):
             new.append(e)
     if new:
         second = [base, *winners[:1], *new]
-        _measure.alternate(second, max(max_seconds * (1 - PHASE_ONE), 0.0))
+        _measure.alternate(second, max_seconds * PHASE_TWO)
         entries.extend(new)
 
     base_eps = base.examples_per_s
@@ -290,6 +319,21 @@ def _run(model, source, max_seconds, exact, apply, notes):
         _, chosen_row = max(eligible, key=lambda er: er[1]["examples_per_s"])
         chosen = dict(chosen_row["settings"])
 
+    confirmed = None
+    if chosen:
+        # The fastest of several noisy figures is biased up (the winner's curse): the speed-up
+        # reported, and the decision to apply, come from fresh rounds of the chosen one
+        # against the baseline alone, not from the rounds that picked it.
+        winner = next(e for e, r in measured if r is chosen_row)
+        confirmed = _confirm(base, winner, max_seconds * (1 - PHASE_ONE - PHASE_TWO))
+        if confirmed <= 1 + NOISE:
+            chosen_row["note"] = (
+                f"{chosen_row['speedup']:.2f}x in the rounds that picked it, {confirmed:.2f}x in "
+                f"{_measure.MIN_ROUNDS} or more fresh rounds against the baseline: not applied"
+            )
+            chosen_row["unconfirmed"] = True
+            chosen, chosen_row = {}, None
+
     applied = False
     if chosen and apply:
         try:
@@ -300,13 +344,16 @@ def _run(model, source, max_seconds, exact, apply, notes):
             chosen, chosen_row = {}, None
     best_eps = chosen_row["examples_per_s"] if chosen_row else base_eps
     for e, r in measured:
+        if r.pop("unconfirmed", False):
+            continue
         r["note"] = _why(e, r, base, chosen_row, exact, apply, best_eps)
         if r is chosen_row:
             r["chosen"] = True
+            r["note"] += f" (confirmed in fresh rounds: {confirmed:.2f}x, r.speedup)"
     all_rows = [r for _, r in measured]
     all_rows.sort(key=lambda r: -r["examples_per_s"])
     all_rows.extend(rows)
-    speedup = chosen_row["speedup"] if chosen_row else 1.0
+    speedup = confirmed if chosen_row else 1.0
     return Acceleration(
         chosen=chosen,
         speedup=float(max(speedup, 1.0)),
@@ -318,6 +365,16 @@ def _run(model, source, max_seconds, exact, apply, notes):
         steps=steps,
         seconds=time.perf_counter() - t_start,
     )
+
+
+def _confirm(base, winner, seconds) -> float:
+    """The winner's speed-up over the baseline from fresh alternated rounds of the two."""
+    fresh = [
+        _measure.Entry(e.candidate, e.model, e.fit_kwargs, e.steps, e.epoch_steps, e.epoch_examples)
+        for e in (base, winner)
+    ]
+    _measure.alternate(fresh, max(seconds, 0.0))
+    return fresh[1].examples_per_s / fresh[0].examples_per_s
 
 
 def _why(e, r, base, chosen_row, exact, apply, best_eps) -> str | None:

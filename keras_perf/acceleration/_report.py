@@ -36,8 +36,8 @@ class Acceleration:
         chosen: The settings applied (or, with `apply=False`, that would be), e.g.
             `{"jit_compile": True, "steps_per_execution": 16}`; `{}` when nothing beat the
             model's own settings by more than the noise margin (5 %).
-        speedup: Measured examples/s with `chosen` over those with the model's own settings
-            (1.0 when `chosen` is `{}`).
+        speedup: Examples/s with `chosen` over those with the model's own settings, from
+            fresh alternated rounds of the two after the choice (1.0 when `chosen` is `{}`).
         rows: One dict per candidate, best first: `candidate`, `settings`, `examples_per_s`
             (None: not measured), `speedup`, `exact` (None: not checked), `max_abs_diff`,
             `chosen`, `note` (why it lost, was not applied or not measured).

@@ -2,7 +2,8 @@
 
 `floor_step(name, x, y, remat)` returns a callable running one training step (softmax
 cross-entropy on logits, Adam 1e-3) of bench_remat's deep MLP (`name="mlp"`: 512 inputs,
-16 x Dense(512, exact gelu), Dense(10)) or Transformer encoder (`"transformer"`: sequence 128,
+16 x Dense(512, exact gelu), Dense(10); `mlp=(depth, width)` for another size, the inputs
+`width` wide, as bench_remat's `--smoke` builds it) or Transformer encoder (`"transformer"`: sequence 128,
 d=256, 4 heads of 64, feed-forward 1024 with exact gelu, post-norm, 2 blocks, mean over the
 sequence, Dense(10)) on the bare backend picked by KERAS_BACKEND, with each layer checkpointed
 (`remat=True`) or not:
@@ -38,11 +39,14 @@ from ._floors import B1, B2, EPS, LR, _jax_adam, _tf_adam
 NAMES = ("mlp", "transformer")
 # Input shape of one example, per model.
 SHAPES = {"mlp": (512,), "transformer": (128, 256)}
+# The MLP's (depth, width) by default: 16 x Dense(512) on 512 inputs.
+MLP = (16, 512)
 HEADS, KEY_DIM, D, FF, BLOCKS, LN_EPS = 4, 64, 256, 1024, 2, 1e-3
 
 
-def _params(name: str) -> list[np.ndarray]:
-    """The weights, flat, in the order `_forward` reads them (He-like normal init)."""
+def _params(name: str, mlp: tuple[int, int] = MLP) -> list[np.ndarray]:
+    """The weights, flat, in the order `_forward` reads them (He-like normal init); `mlp`: the
+    MLP's (depth, width)."""
     rng = np.random.default_rng(0)
 
     def w(*shape, fan_in):
@@ -52,7 +56,8 @@ def _params(name: str) -> list[np.ndarray]:
         return np.zeros(shape, "float32")
 
     if name == "mlp":
-        sizes = [512] + [512] * 16 + [10]
+        depth, width = mlp
+        sizes = [width] + [width] * depth + [10]
         return [p for a, b in zip(sizes, sizes[1:]) for p in (w(a, b, fan_in=a), z(b))]
     out = []
     for _ in range(BLOCKS):
@@ -146,11 +151,11 @@ def _check(name: str) -> None:
 # ------------------------------------------------------------------------------------------
 # TensorFlow
 # ------------------------------------------------------------------------------------------
-def _tensorflow(name, x, y, remat):
+def _tensorflow(name, x, y, remat, mlp=MLP):
     import tensorflow as tf
 
     ops = _Ops("tensorflow")
-    ws, update, _ = _tf_adam(_params(name))
+    ws, update, _ = _tf_adam(_params(name, mlp))
     xs, ys = tf.constant(x), tf.constant(y)
     wrap = tf.recompute_grad if remat else (lambda fn: fn)
 
@@ -178,7 +183,7 @@ def _tensorflow(name, x, y, remat):
 # ------------------------------------------------------------------------------------------
 # JAX
 # ------------------------------------------------------------------------------------------
-def _jax(name, x, y, remat):
+def _jax(name, x, y, remat, mlp=MLP):
     import jax
     import jax.numpy as jnp
 
@@ -195,7 +200,7 @@ def _jax(name, x, y, remat):
         _, g = grad(state[0], xb, yb)
         return _jax_adam(state, g)
 
-    ws = [jnp.asarray(p) for p in _params(name)]
+    ws = [jnp.asarray(p) for p in _params(name, mlp)]
     state = (ws, [jnp.zeros_like(w) for w in ws], [jnp.zeros_like(w) for w in ws], jnp.float32(0))
     xs, ys = jnp.asarray(x), jnp.asarray(y)
     holder = {}
@@ -218,14 +223,14 @@ def _jax(name, x, y, remat):
 # ------------------------------------------------------------------------------------------
 # PyTorch
 # ------------------------------------------------------------------------------------------
-def _torch(name, x, y, remat):
+def _torch(name, x, y, remat, mlp=MLP):
     import torch
     from torch.utils.checkpoint import checkpoint
 
     from keras_perf.backend.torch import SavedTensorsPeak
 
     ops = _Ops("torch")
-    ws = [torch.tensor(p, requires_grad=True) for p in _params(name)]
+    ws = [torch.tensor(p, requires_grad=True) for p in _params(name, mlp)]
     opt = torch.optim.Adam(ws, lr=LR, betas=(B1, B2), eps=EPS)
     xs, ys = torch.from_numpy(x), torch.from_numpy(y).long()
 
@@ -249,23 +254,23 @@ def _torch(name, x, y, remat):
     return run, memory
 
 
-def _build(name, x, y, remat):
+def _build(name, x, y, remat, mlp=MLP):
     import keras
 
     _check(name)
     build = {"tensorflow": _tensorflow, "jax": _jax, "torch": _torch}[keras.backend.backend()]
-    return build(name, np.asarray(x, "float32"), np.asarray(y).astype("int32"), remat)
+    return build(name, np.asarray(x, "float32"), np.asarray(y).astype("int32"), remat, mlp)
 
 
-def floor_step(name: str, x, y, remat: bool) -> Callable[[], object]:
+def floor_step(name: str, x, y, remat: bool, mlp: tuple[int, int] = MLP) -> Callable[[], object]:
     """One training step of the bare-framework model (see the module docstring), warmed up."""
-    run, _ = _build(name, x, y, remat)
+    run, _ = _build(name, x, y, remat, mlp)
     for _ in range(2):  # trace / compile and warm up
         run()
     return run
 
 
-def floor_memory(name: str, x, y, remat: bool) -> int:
+def floor_memory(name: str, x, y, remat: bool, mlp: tuple[int, int] = MLP) -> int:
     """The backend's byte count of one step at batch `len(x)` (see the module docstring)."""
-    _, memory = _build(name, x, y, remat)
+    _, memory = _build(name, x, y, remat, mlp)
     return int(memory())

@@ -16,7 +16,7 @@
    row gives the rung the ladder took, the largest weight difference from that run (float32;
    the issue's bound is 1e-6) and the seconds lost.
 
-Run: python -m benchmarks.bench_oom [--quick] [--json PATH]
+Run: python -m benchmarks.bench_oom [--quick | --smoke] [--json PATH]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import numpy as np
 import keras_perf as kp
 
 from . import _harness
-from ._harness import abba, finish, parse_args, row, timed
+from ._harness import abba, finish, parse_args, row, summarize, timed
 
 
 def mlp(seed=0):
@@ -76,9 +76,14 @@ class OOMMidEpoch(keras.callbacks.Callback):
             raise kp.backend.oom_error("Out of memory while trying to allocate 1.00GiB (injected).")
 
 
-def abba_seconds(a, b, repeats) -> tuple[dict, list]:
+def abba_seconds(a, b, repeats, once=False) -> tuple[dict, list]:
     """A B B A as in `_harness.abba`, keeping the wall seconds B costs over A per pair too
-    (recovery is a fixed cost, read in seconds): (the ratios as `abba` gives them, seconds)."""
+    (recovery is a fixed cost, read in seconds): (the ratios as `abba` gives them, seconds).
+    `once` (`--smoke`): A then B, one time each, no warm-up before (a figure of nothing, the
+    row's code path in half the runs)."""
+    if once:
+        (aw, ac), (bw, bc) = timed(a), timed(b)
+        return summarize([bw / aw], [bc / max(ac, 1e-9)]), [bw - aw]
     wall, cpu, extra = [], [], []
     for _ in range(repeats):
         a1, b1, b2, a2 = timed(a), timed(b), timed(b), timed(a)
@@ -102,9 +107,9 @@ def _max_diff(a, b) -> float:
     )
 
 
-def ladder_row(name, build, rung, x, y, batch, repeats) -> dict:
+def ladder_row(name, build, rung, x, y, batch, repeats, once=False) -> dict:
     """Section 3: one model's OOM mid-epoch, recovered by the ladder, against the winning rung
-    from the start (`rung`: loss_scaled keyword arguments)."""
+    from the start (`rung`: loss_scaled keyword arguments; `once`: see `abba_seconds`)."""
     fit = dict(batch_size=batch, epochs=2, shuffle=False, verbose=0)
     out = {}
 
@@ -116,8 +121,9 @@ def ladder_row(name, build, rung, x, y, batch, repeats) -> dict:
         h = kp.fit_with_oom_retry(build(), x, y, callbacks=[OOMMidEpoch()], **fit)
         out["model"], out["events"] = h.model, h.oom_events
 
-    from_start(), recovering()  # warm up
-    result, extra = abba_seconds(from_start, recovering, repeats)
+    if not once:
+        from_start(), recovering()  # warm up
+    result, extra = abba_seconds(from_start, recovering, repeats, once)
     events = [(e["epoch"], e["strategy"]) for e in out["events"]]
     expected = [(1, "remat" if "remat" in rung else "microbatches")]
     if events != expected:  # else the weights would be compared with the wrong run
@@ -138,7 +144,8 @@ def ladder_row(name, build, rung, x, y, batch, repeats) -> dict:
 
 def main():
     args = parse_args(__doc__.splitlines()[0])
-    # --smoke (CI): 4 steps per epoch, one A B B A.
+    # --smoke (CI): 4 steps per epoch, one A B B A; the fresh-model rows (recovery, ladder) run
+    # A then B once, without a warm-up (6 fresh models instead of 18).
     n, repeats = (128, 1) if args.smoke else (512, 2) if args.quick else (4096, 5)
     rng = np.random.default_rng(0)
     x = rng.normal(size=(n, 256)).astype("float32")
@@ -176,8 +183,9 @@ def main():
         if [e["microbatches"] for e in h.oom_events] != [1]:
             raise RuntimeError(f"expected one OOM event, got {h.oom_events}")
 
-    surviving(), recovering()  # warm up imports and caches
-    result, extra = abba_seconds(surviving, recovering, 1 if args.quick else repeats)
+    if not args.smoke:
+        surviving(), recovering()  # warm up imports and caches
+    result, extra = abba_seconds(surviving, recovering, 1 if args.quick else repeats, args.smoke)
     rows.append(
         row(
             "recover from 1 OOM at step 0 vs start micro-batched (fresh model, 1 epoch)",
@@ -188,10 +196,18 @@ def main():
     )
     small = x[: 8 * batch], y[: 8 * batch]  # 8 steps per epoch
     ladder_repeats = 1 if args.quick else 3
-    rows.append(ladder_row("MLP", mlp, {"microbatches": 2}, *small, batch, ladder_repeats))
+    rows.append(
+        ladder_row("MLP", mlp, {"microbatches": 2}, *small, batch, ladder_repeats, args.smoke)
+    )
     rows.append(
         ladder_row(
-            "MLP + BatchNormalization", bn_mlp, {"remat": "full"}, *small, batch, ladder_repeats
+            "MLP + BatchNormalization",
+            bn_mlp,
+            {"remat": "full"},
+            *small,
+            batch,
+            ladder_repeats,
+            args.smoke,
         )
     )
     finish(rows, args)

@@ -64,8 +64,9 @@ def _args():
     return args
 
 
-def _build(name: str, policy: str):
-    """(model, x, y, batch) for `name`, built under `policy`; logits out in float32."""
+def _build(name: str, policy: str, smoke: bool = False):
+    """(model, x, y, batch) for `name`, built under `policy`; logits out in float32 (`smoke`:
+    an eighth of the batch)."""
     import keras
 
     keras.mixed_precision.set_global_policy(policy)
@@ -99,6 +100,8 @@ def _build(name: str, policy: str):
         inputs = base.input
         h = L.GlobalAveragePooling2D()(base.output)
         shape, batch = (64, 64, 3), 32
+    if smoke:
+        batch //= 8
     outputs = L.Dense(10, dtype="float32")(h)
     model = keras.Model(inputs, outputs)
     model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
@@ -106,7 +109,7 @@ def _build(name: str, policy: str):
     return model, rng.standard_normal((batch, *shape), dtype=np.float32), batch, rng
 
 
-def _epochs(name: str, steps: int) -> dict:
+def _epochs(name: str, steps: int, smoke: bool = False) -> dict:
     """One-epoch callables `{(variant, policy): fn}`, each warmed up: "keras" (plain `fit`),
     "loss_scaled" (`fit` of `kp.loss_scaled(model)`) and "floor" (the same model's step on
     the bare framework, `steps` calls), under float32 and mixed_bfloat16."""
@@ -119,7 +122,7 @@ def _epochs(name: str, steps: int) -> dict:
     fns = {}
     for policy in ("float32", "mixed_bfloat16"):
         for variant in ("keras", "loss_scaled"):
-            model, x1, batch, rng = _build(name, policy)
+            model, x1, batch, rng = _build(name, policy, smoke)
             if variant == "loss_scaled":
                 model = kp.loss_scaled(model)
             x = np.concatenate([x1] * steps)
@@ -146,7 +149,8 @@ def main() -> None:
     args = _args()
     import keras_perf as kp
 
-    steps, repeats = (2, 1) if args.quick else (8, 3)
+    # --smoke (CI): one step per epoch at an eighth of the batch (MLP 64 rows): the same rows.
+    steps, repeats = (1, 1) if args.smoke else (2, 1) if args.quick else (8, 3)
     report = kp.precision_report()
     auto = report["policy"]
     rows, ratios = [], {}
@@ -165,7 +169,7 @@ def main() -> None:
         )
         models = []
     for name in models:
-        fns = _epochs(name, steps)
+        fns = _epochs(name, steps, args.smoke)
         for variant, claim in (
             ("keras", "fit epoch"),
             ("loss_scaled", "kp.loss_scaled fit epoch"),

@@ -194,7 +194,7 @@ def main():
         )
     )
 
-    steps = 20 if args.smoke else 200 if args.quick else 1000
+    steps = 8 if args.smoke else 200 if args.quick else 1000
     result = per_step(x, y, schedule_args, steps)
     rows.append(
         row(

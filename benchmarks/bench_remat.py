@@ -17,7 +17,9 @@ d=256, 4 heads, feed-forward 1024 with gelu, 2 blocks, no dropout) and `keras.ap
 (its BatchNormalization layers own moving statistics, so remat recomputes the convolutions and
 activations around them, not the normalisations; its own 1000-way softmax head is kept, and
 the loss reads that output as logits, as for the other two: for memory and time that makes no
-difference worth counting, and Keras warns about it on TensorFlow).
+difference worth counting, and Keras warns about it on TensorFlow). `--smoke` (CI) runs the
+MLP alone, 4 x Dense(64) on 64 inputs (and its floor the same), which proves the rows are
+written, not the claims.
 Targets: activation memory >= 2x lower at <= 1.4x step time on the MLP and the Transformer;
 ResNet50 as measured.
 
@@ -39,6 +41,7 @@ Run: python -m benchmarks.bench_remat [--quick | --smoke] [--json PATH] [--model
 from __future__ import annotations
 
 import argparse
+import functools
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
@@ -58,13 +61,14 @@ from ._harness import (  # noqa: E402
 )
 
 
-def deep_mlp():
+def deep_mlp(depth=16, width=512):
+    """`depth` x Dense(`width`, gelu) on `width` inputs, Dense(10) (`--smoke`: 4 x 64)."""
     keras.utils.set_random_seed(0)
-    inp = keras.Input((512,))
+    inp = keras.Input((width,))
     h = inp
-    for _ in range(16):
-        h = keras.layers.Dense(512, activation="gelu")(h)
-    return keras.Model(inp, keras.layers.Dense(10)(h)), (512,)
+    for _ in range(depth):
+        h = keras.layers.Dense(width, activation="gelu")(h)
+    return keras.Model(inp, keras.layers.Dense(10)(h)), (width,)
 
 
 def transformer():
@@ -102,6 +106,10 @@ MODELS = {
 MEMORY_BATCHES = {"mlp": (1024, 2048)}
 # Models with a bare-framework floor (benchmarks/_remat_floors.py).
 FLOORS = ("mlp", "transformer")
+# --smoke (CI): the MLP (and its floor) 4 x Dense(64) instead of 16 x Dense(512): the same code
+# paths, a quarter of the layers to trace (with the full MLP the script took 76 s of CPU on
+# TF, 2026-11-28).
+SMOKE_MLP = (4, 64)
 
 
 def parse_args() -> argparse.Namespace:
@@ -177,22 +185,33 @@ def _per_example(counts, batches) -> float:
     return (counts[1] - counts[0]) / (batches[1] - batches[0])
 
 
-def floor_memory(key, remat, batches, tf_models=1) -> tuple[float, list]:
+def _floor_kw(key, mlp) -> tuple[tuple, dict]:
+    """The floor's input shape and keyword arguments for `key` (`mlp`: the MLP's (depth,
+    width), `None` for the default)."""
+    if key == "mlp" and mlp is not None:
+        return (mlp[1],), {"mlp": mlp}
+    return _remat_floors.SHAPES[key], {}
+
+
+def floor_memory(key, remat, batches, tf_models=1, mlp=None) -> tuple[float, list]:
     """The bare-framework floor's counts (benchmarks/_remat_floors.py), read as `memory` reads
     ours: activation bytes per example and the raw counts at each batch size (TensorFlow's,
     the median over `tf_models` new traces)."""
+    shape, kw = _floor_kw(key, mlp)
     counts = []
     for batch in batches:
-        x, y = _data(_remat_floors.SHAPES[key], batch)
+        x, y = _data(shape, batch)
         runs = tf_models if keras.backend.backend() == "tensorflow" else 1
-        measured = [_remat_floors.floor_memory(key, x, y, remat) for _ in range(runs)]
+        measured = [_remat_floors.floor_memory(key, x, y, remat, **kw) for _ in range(runs)]
         counts.append(int(np.median(measured)))
     return _per_example(counts, batches), counts
 
 
-def floor_time(key, batch, repeats) -> dict:
-    x, y = _data(_remat_floors.SHAPES[key], batch)
-    return abba(*(_remat_floors.floor_step(key, x, y, remat) for remat in (False, True)), repeats)
+def floor_time(key, batch, repeats, mlp=None) -> dict:
+    shape, kw = _floor_kw(key, mlp)
+    x, y = _data(shape, batch)
+    steps = (_remat_floors.floor_step(key, x, y, remat, **kw) for remat in (False, True))
+    return abba(*steps, repeats)
 
 
 def step_time(build, batch, repeats) -> dict:
@@ -247,14 +266,18 @@ def main() -> None:
     if _in_own_process():
         return
     repeats = 1 if args.smoke else 3 if args.quick else 7
-    # --smoke (CI): the MLP and its floor at a quarter of its batches (its memory count too),
-    # one repeat.
+    # --smoke (CI): the MLP and its floor at SMOKE_MLP's size and a quarter of its batches (its
+    # memory count too), one repeat.
     scale = 4 if args.smoke else 2 if args.quick else 1
     rows = []
     backend = keras.backend.backend()
     tf_models = 1 if args.quick else 3
     for key in args.models:
         build, sizes, name = MODELS[key]
+        mlp = SMOKE_MLP if key == "mlp" and args.smoke else None
+        if mlp is not None:
+            build = functools.partial(deep_mlp, *mlp)
+            name = f"deep MLP {mlp[0]} x Dense({mlp[1]}, gelu)"
         timed_at = args.batches[-1] if args.batches else sizes[-1] // scale
         batches = (
             args.batches
@@ -269,14 +292,14 @@ def main() -> None:
         claim = f"remat='full' step time, {name}, batch {timed_at}"
         rows.append(row(claim, result, target, note=note))
         if key in FLOORS:
-            plain, full = (floor_memory(key, r, batches, tf_models) for r in (False, True))
+            plain, full = (floor_memory(key, r, batches, tf_models, mlp) for r in (False, True))
             note = _note(plain, full, batches)
             print(f"{name}, bare-framework floor: {note}", flush=True)
             rows.append(
                 row(
                     f"  (floor) bare {FRAMEWORK[backend]} per layer, step time, {name}, "
                     f"batch {timed_at}",
-                    floor_time(key, timed_at, repeats),
+                    floor_time(key, timed_at, repeats, mlp),
                     "-",
                     note=note,
                 )

@@ -14,7 +14,8 @@ Each call is kept short (`diagnose`: 5 steps, `max_seconds=1`, no what-ifs unles
 `apply=False`).
 
 Run: `python -m benchmarks.bench_repeated_calls [--quick] [--tools a,b] [--calls N]
-[--json out.json]`. `--quick` runs 12 calls (the growth then from call 6 to 12), `--smoke` 4.
+[--json out.json]`. `--quick` runs 12 calls (the growth then from call 6 to 12), `--smoke` 2 (from call 1 to 2: the
+row's code path, no figure).
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=None)
     p.add_argument("--what-if", action="store_true")
     args = _harness.resolve_modes(p.parse_args())
-    calls = args.calls or (4 if args.smoke else 12 if args.quick else 20)
+    calls = args.calls or (2 if args.smoke else 12 if args.quick else 20)
     rows = []
     for tool in args.tools.split(","):
         try:

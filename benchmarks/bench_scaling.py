@@ -11,7 +11,7 @@ batch 256, the same global batch on 1 and 2 devices), ABBA, median. The devices 
 configured before the backend starts, so the measurement runs in a child process.
 PyTorch: Keras has no data-parallel `fit` on that backend; no rows.
 
-Run: `python -m benchmarks.bench_scaling [--quick] [--json out.json]`.
+Run: `python -m benchmarks.bench_scaling [--quick | --smoke] [--json out.json]`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from . import _harness
 BATCH = 256
 
 
-def child(backend: str, quick: bool) -> list[dict]:
+def child(backend: str, quick: bool, smoke: bool = False) -> list[dict]:
     """Runs in a fresh process whose devices are configured before the backend starts."""
     import contextlib
 
@@ -62,7 +62,7 @@ def child(backend: str, quick: bool) -> list[dict]:
         fitting_on_two = two_devices
         label = f"DataParallel, {len(jax.devices())} XLA host devices"
 
-    n = 1024 if quick else 8192
+    n = 2 * BATCH if smoke else 1024 if quick else 8192  # --smoke (CI): 2 steps per epoch
     rng = np.random.default_rng(0)
     x = rng.normal(size=(n, 784)).astype("float32")
     y = rng.integers(0, 10, n)
@@ -112,7 +112,7 @@ def child(backend: str, quick: bool) -> list[dict]:
 def main() -> None:
     if "--child" in sys.argv:
         backend, quick = sys.argv[sys.argv.index("--child") + 1], "--quick" in sys.argv
-        print("ROWS " + json.dumps(child(backend, quick)))
+        print("ROWS " + json.dumps(child(backend, quick, "--smoke" in sys.argv)))
         return
     args = _harness.parse_args(__doc__.splitlines()[0])
     import keras
@@ -126,7 +126,7 @@ def main() -> None:
             env["XLA_FLAGS"] = flags.strip()
         cmd += ["--child", backend]
         proc = subprocess.run(
-            cmd + (["--quick"] if args.quick else []),
+            cmd + (["--quick"] if args.quick else []) + (["--smoke"] if args.smoke else []),
             env=env,
             capture_output=True,
             text=True,

@@ -15,7 +15,7 @@ unit of work is one `fit` call of several epochs (MLP 64-256-256-10 on scikit-le
    real model, added to the median epoch time of plain `fit`. On a shared machine the ABBA
    ratios above carry several % of noise either way; this bound does not.
 
-Run: `python -m benchmarks.bench_stopping [--quick] [--json out.json]`.
+Run: `python -m benchmarks.bench_stopping [--quick | --smoke] [--json out.json]`.
 """
 
 from __future__ import annotations
@@ -111,10 +111,13 @@ def hook_cost(data, calls: int) -> dict:
 
 def main() -> None:
     args = _harness.parse_args(__doc__.splitlines()[0])
-    repeats = 2 if args.quick else 9
+    repeats = 1 if args.smoke else 2 if args.quick else 9
     epochs = 1 if args.quick else 5
     data = digits()
-    if args.quick:  # 16 training steps per epoch instead of 45
+    if args.smoke:  # CI: 4 training steps per epoch, one A B B A
+        (x, y), (xv, yv) = data
+        data = (x[:128], y[:128]), (xv[:64], yv[:64])
+    elif args.quick:  # 16 training steps per epoch instead of 45
         (x, y), (xv, yv) = data
         data = (x[:512], y[:512]), (xv[:128], yv[:128])
     rows = [
@@ -142,7 +145,7 @@ def main() -> None:
             lambda: [],
             lambda: [kp.TimeLimit(NEVER, granularity="batch")],
         ),
-        hook_cost(data, 200 if args.quick else 2000),
+        hook_cost(data, 20 if args.smoke else 200 if args.quick else 2000),
     ]
     _harness.finish(rows, args)
 

@@ -38,7 +38,7 @@ Measured, on the backend picked by KERAS_BACKEND, in one process, alternated (pe
    jax-ml/jax#12868); (d) torch: gradient accumulation written by hand around the same
    Keras model, 4 slices vs 1 at batch 512, against claim 2's MLP row.
 
-Run: `python -m benchmarks.bench_train_step [--quick] [--json out.json]`.
+Run: `python -m benchmarks.bench_train_step [--quick | --smoke] [--json out.json]`.
 """
 
 from __future__ import annotations
@@ -216,13 +216,14 @@ def peak_memory(microbatches: int) -> int | None:
     return stats["peak_bytes"] - (base or {}).get("current_bytes", 0)
 
 
-def cpu_activation_memory(*extra: str, target: str = ">= 2") -> dict:
-    """Row for claim 3 on a CPU, from benchmarks._memory run as its own process."""
+def cpu_activation_memory(*extra: str, target: str = ">= 2", batches=("1024", "8192")) -> dict:
+    """Row for claim 3 on a CPU, from benchmarks._memory run as its own process (at `batches`:
+    also under --quick, byte counts cost seconds, not minutes; --smoke counts at 512 and
+    2048)."""
     import json
     import subprocess
 
     cmd, env = _harness.module_command(f"{__package__}._memory")
-    batches = ["1024", "8192"]  # also under --quick: byte counts cost seconds, not minutes
     out = subprocess.run(
         [*cmd, "--batches", *batches, *extra],
         env=env,
@@ -253,7 +254,9 @@ def main() -> None:
     y = rng.integers(0, 10, n)
     x_flat = rng.normal(size=(n, 784)).astype("float32")
     x_img = x_flat.reshape(n, 28, 28, 1)
-    steps = 16 if args.quick else 400
+    # --smoke (CI): 4 interleaved steps of each pair (2 of the micro-batched ones), the memory
+    # count at batches 512 and 2048: the same rows, figures that prove nothing.
+    steps = 4 if args.smoke else 16 if args.quick else 400
     rows = [] if args.quick else [step_overhead("MLP", mlp, x_flat, y, 128, steps, same=True)]
     rows += [
         step_overhead("MLP 784-1024-1024-10", mlp, x_flat, y, 128, steps),
@@ -265,13 +268,12 @@ def main() -> None:
             overhead("MLP 784-1024-1024-10", mlp, x_flat, y, 128, 5),
             overhead("small CNN", cnn, x_img, y, 128, 5),
         ]
-    rows.append(microbatch_cost(x_flat, y, 512, 8 if args.quick else 160))
+    micro_steps = 2 if args.smoke else 8 if args.quick else 160
+    rows.append(microbatch_cost(x_flat, y, 512, micro_steps))
     # The activation-heavy case micro-batching is for: the CNN's activations outweigh its
     # weights, so slicing adds little weight-gradient work (on JAX it shows the cost of the
     # loop that keeps one slice alive at a time; see docs/BENCHMARKS.md).
-    rows.append(
-        microbatch_cost(x_img, y, 512, 8 if args.quick else 60, build=cnn, name="small CNN")
-    )
+    rows.append(microbatch_cost(x_img, y, 512, min(micro_steps, 60), build=cnn, name="small CNN"))
     if not args.quick:
         # Slices of 512 rows: the fixed cost per slice (Python on eager torch) is spread wider.
         rows.append(microbatch_cost(x_flat, y, 2048, 40))
@@ -281,7 +283,12 @@ def main() -> None:
         rows += framework_rows(x_flat, y, x_img, 40 if keras.backend.backend() == "jax" else 160)
     if not kb.has_accelerator():
         # --quick: one trace per TF figure (a smoke run; three cost about 45 s more).
-        rows.append(cpu_activation_memory(*(("--repeats", "1") if args.quick else ())))
+        rows.append(
+            cpu_activation_memory(
+                *(("--repeats", "1") if args.quick else ()),
+                **({"batches": ("512", "2048")} if args.smoke else {}),
+            )
+        )
         if keras.backend.backend() == "tensorflow" and not args.quick:
             # The same with one op at a time: TensorFlow's peak then no longer follows the load.
             rows.append(cpu_activation_memory("--tf-inter-op-threads", "1", target="(info)"))

@@ -128,8 +128,9 @@ for job in jobs:
 # after it are reported as failed. On a 2-core machine shared with other test runs the 14
 # scripts took 610 s on TensorFlow (2026-11-26), past the 600 s this was before.
 QUICK_BUDGET_S = 900
-# The whole `--smoke` run: a guard against a hang, not a time limit (about 7 minutes of CPU on
-# TensorFlow, docs/development.md; 8 of the 16 scripts took 600 s under load 8-10).
+# The whole `--smoke` run: a guard against a hang, not a time limit (about 5 minutes of CPU on
+# TensorFlow since issue 42's trim, 7 before, docs/development.md; 8 of the 16 scripts took
+# 600 s under load 8-10 before it).
 SMOKE_BUDGET_S = 1800
 
 

@@ -74,6 +74,9 @@ def test_repeated_calls_level_off_in_memory(tool):
     from benchmarks.bench_repeated_calls import measure
 
     calls = CALLS_OF.get(tool, CALLS)
-    m = _in_fresh_process(tool, calls) if tool == "accelerate" else measure(tool, calls=calls)
+    # find_max_batch_size on TensorFlow needs the BFC allocator, chosen when TensorFlow is
+    # imported (the benchmark module sets it first): a fresh process.
+    fresh = tool == "accelerate" or (tool == "find_max_batch_size" and BACKEND == "tensorflow")
+    m = _in_fresh_process(tool, calls) if fresh else measure(tool, calls=calls)
     assert m["model_alive"]
     assert m["growth_mib"] < REPEATED_CALLS_GROWTH_MIB_PER_CALL * (calls - calls // 2), m

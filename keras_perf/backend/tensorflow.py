@@ -196,7 +196,9 @@ def traced_graphs_released():
     process (5-6 MiB for a small MLP's twin; FACTS.md). The measuring tools trace the train
     functions of twins they discard, so they drop the entries registered while they ran.
     A registered entry is read only while gradients are taken through the graph that
-    registered it, which for a train function happens inside its own trace.
+    registered it, which for a train function happens inside its own trace. So an entry
+    registered by another thread tracing at the same moment would be dropped too: the tools
+    are not meant to run beside a trace in another thread (nor is Keras' `fit`).
     """
     registry = getattr(getattr(ops, "_gradient_registry", None), "_registry", None)
     if not isinstance(registry, dict):  # a TensorFlow whose registry is laid out otherwise

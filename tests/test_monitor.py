@@ -385,11 +385,14 @@ def test_peak_memory_survives_a_crashed_fit_and_a_rebuilt_train_function():
 @pytest.mark.skipif(kp.backend.has_accelerator(), reason="a CPU's measure")
 def test_peak_memory_tensorflow_with_bfc_allocator():
     """With TF_CPU_ALLOCATOR_USE_BFC=true (set before TensorFlow is imported: a child
-    process), TensorFlow's CPU allocator peak over the epoch, which grows with the batch."""
+    process), TensorFlow's CPU allocator peak over the epoch, which grows with the batch.
+    The peak moves by about 0.3 MB from run to run (the executor's order of frees, tf.data's
+    prefetched batches): between batches 16 and 256 it grew by 0.73-1.44 MB over 8 runs
+    (2026-11-28), for 0.74 MB of hidden activations; half of those is the bound."""
     code = (
         "import json\n"
         "from test_monitor import _memory_mlp, _monitored_peaks\n"
-        "out = [_monitored_peaks(_memory_mlp(), b)[0][0] for b in (32, 128)]\n"
+        "out = [_monitored_peaks(_memory_mlp(), b)[0][0] for b in (16, 256)]\n"
         "print(json.dumps([[r['memory_measure'], r['memory_device'], r['peak_memory_bytes']]"
         " for r in out]))\n"
     )
@@ -397,7 +400,7 @@ def test_peak_memory_tensorflow_with_bfc_allocator():
     assert small[:2] == large[:2] == ["tf_allocator_peak", "CPU:0"]
     weights = 64 * 256 + 2 * 256 * 256 + 256 * 10  # float32 kernels, the peak holds them
     assert small[2] >= 4 * weights
-    assert large[2] - small[2] >= 96 * 3 * 256 * 4
+    assert large[2] - small[2] >= 0.5 * (256 - 16) * 3 * 256 * 4
 
 
 @pytest.mark.slow

@@ -2,7 +2,7 @@
 session level off in the process's memory.
 
 Slow, not `timing`: the figure is resident memory, not wall time, so it runs beside other tests
-(each xdist worker is a process of its own, one test at a time).
+(each tool measured in a fresh process of its own, as a notebook session is).
 """
 
 import json
@@ -30,8 +30,8 @@ CALLS = 12  # the benchmark makes 20; 12 keep the slow tier shorter and still se
 
 def _in_fresh_process(tool, calls):
     """`measure` in a process of its own, as a notebook session is: after hundreds of tests in
-    one xdist worker, the heap the worker had grown made six calls of accelerate on torch read
-    8 MiB of growth (CI, 2026-11-28 11:25) where a fresh process reads 0.2 over eight."""
+    one xdist worker, the heap the worker had grown made accelerate on torch read 8 MiB of
+    growth (CI, 2026-11-28 11:25) where a fresh process reads 0.2 over eight calls."""
     code = (
         "import json; from benchmarks.bench_repeated_calls import measure; "
         f"print('RESULT', json.dumps(measure({tool!r}, calls={calls})))"
@@ -71,12 +71,11 @@ def test_repeated_calls_level_off_in_memory(tool):
             "about 9 MiB (a plain Keras fit of a fresh jit_compile model adds the same); "
             "docs/accelerate.md"
         )
-    from benchmarks.bench_repeated_calls import measure
-
     calls = CALLS_OF.get(tool, CALLS)
-    # find_max_batch_size on TensorFlow needs the BFC allocator, chosen when TensorFlow is
-    # imported (the benchmark module sets it first): a fresh process.
-    fresh = tool == "accelerate" or (tool == "find_max_batch_size" and BACKEND == "tensorflow")
-    m = _in_fresh_process(tool, calls) if fresh else measure(tool, calls=calls)
+    # Every tool in a process of its own: a worker's heap after hundreds of tests reads
+    # megabytes of growth a fresh process does not (diagnose on TensorFlow, CI 2026-11-28: 6.3
+    # MiB over calls 6-12 in a worker), and find_max_batch_size on TensorFlow needs the BFC
+    # allocator, chosen when TensorFlow is imported (the benchmark module sets it first).
+    m = _in_fresh_process(tool, calls)
     assert m["model_alive"]
     assert m["growth_mib"] < REPEATED_CALLS_GROWTH_MIB_PER_CALL * (calls - calls // 2), m

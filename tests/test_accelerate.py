@@ -118,7 +118,7 @@ def test_plain_model_with_a_train_step_setting_and_missing_input_are_refused():
 # -- measuring: the report, the model untouched ----------------------------------------------
 
 
-@pytest.mark.slow  # 10-50 s: every candidate's twin compiled twice (timing, exactness)
+@pytest.mark.slow  # 10-50 s: dropout, so every candidate's twin compiled twice (below)
 def test_apply_false_measures_only_and_the_report_is_complete():
     model = _mlp(dropout=0.3)
     x, y = _data()
@@ -154,6 +154,59 @@ def test_apply_false_measures_only_and_the_report_is_complete():
     if BACKEND == "torch":
         traced = [row for row in r.rows if row["settings"] == {"traced_step": True}]
         assert len(traced) == 1
+
+
+@pytest.mark.slow  # a few seconds
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_each_candidate_is_cloned_once_and_checked_before_it_is_timed(monkeypatch, dropout):
+    # Issue 40/41: the exactness check trains the very twin that is then timed, so each
+    # candidate's train function is traced and compiled once (TensorFlow keeps every XLA
+    # program for the process's life). A model with dropout is checked at rate 0 on twins of
+    # its own: a traced function keeps the rate it was traced with, and the timed twins drop out.
+    from keras_perf.acceleration import _candidates, _measure
+
+    clones, events = [], []
+    real_fit, real_train = _measure.timed_fit, _exact.train_twin
+
+    def counted(real):
+        def clone(*args):
+            twin = real(*args)
+            clones.append(twin)  # kept alive: no id is reused
+            return twin
+
+        return clone
+
+    def timed(entry, steps=None):
+        events.append(("timed", id(entry.model), _exact.has_dropout(entry.model)))
+        return real_fit(entry, steps)
+
+    def trained(twin, data, batch_size):
+        events.append(("checked", id(twin), _exact.has_dropout(twin)))
+        return real_train(twin, data, batch_size)
+
+    monkeypatch.setattr(_candidates, "make_twin", counted(_candidates.make_twin))
+    monkeypatch.setattr(_candidates, "policy_twin", counted(_candidates.policy_twin))
+    monkeypatch.setattr(_measure, "timed_fit", timed)
+    monkeypatch.setattr(_exact, "train_twin", trained)
+    model = _mlp(dropout=dropout)
+    x, y = _data()
+    r = kp.accelerate(model, x, y, batch_size=32, max_seconds=0.5, apply=False)
+    timed_twins = {i for kind, i, _ in events if kind == "timed"}
+    checked = [i for kind, i, _ in events if kind == "checked"]
+    exact_rows = [row for row in r.rows if row["exact"] is not None]
+    assert exact_rows and all(row["exact"] is True for row in exact_rows), r.rows
+    assert len(checked) == len(exact_rows)  # the reference and every exact candidate, once
+    assert all(not drops for kind, _, drops in events if kind == "checked")  # at rate 0
+    if dropout:
+        assert all(drops for kind, _, drops in events if kind == "timed")  # as the user's
+        assert not timed_twins & set(checked)
+        assert len(clones) == len(timed_twins) + len(checked)
+    else:
+        assert set(checked) <= timed_twins
+        assert len(clones) == len(timed_twins)  # one clone, one trace, per candidate
+        for i in checked:  # checked before the twin's first timed fit (its warm-up)
+            kinds = [kind for kind, j, _ in events if j == i]
+            assert kinds[0] == "checked"
 
 
 @pytest.mark.slow
@@ -206,7 +259,7 @@ def test_a_timed_fit_counts_the_epoch_and_a_third_of_the_fit_set_up():
     assert _measure.epoch_steps_of(200, 32) == 7  # a short last batch is a step
 
 
-@pytest.mark.slow  # a few seconds: every candidate compiled twice
+@pytest.mark.slow  # a few seconds: every candidate compiled once
 def test_accelerate_times_whole_epochs_of_the_users_fit(monkeypatch):
     from keras_perf.acceleration import _measure
 
@@ -233,7 +286,7 @@ def test_accelerate_times_whole_epochs_of_the_users_fit(monkeypatch):
     assert _measure.MIN_ROUNDS >= 3  # a median that leaves out one slow spell
 
 
-@pytest.mark.slow  # a few seconds: every candidate compiled twice
+@pytest.mark.slow  # a few seconds: every candidate compiled once
 @pytest.mark.parametrize("confirmed", [1.0, 1.3])
 def test_the_speedup_and_the_choice_come_from_fresh_rounds(monkeypatch, confirmed):
     # Issue 40: the fastest of several noisy figures is biased up; r.speedup and the decision

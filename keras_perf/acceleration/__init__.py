@@ -174,14 +174,17 @@ def _batch_size(source) -> int:
     return size
 
 
-def _entry(ctx, candidate, fit_kwargs, rows_out):
-    """The candidate's twin, warmed up; None (and a row saying why) where it cannot run."""
+def _entry(ctx, candidate, fit_kwargs, rows_out, checker, checks):
+    """The candidate's twin, checked for exactness (`checks[id(entry)]`; the baseline's twin
+    becomes the reference) and warmed up; None (and a row saying why) where it cannot run."""
     try:
         twin = candidate.make()
         epoch_steps, epoch_examples = ctx.epoch(candidate.batch_size)
         known = ctx.examples is not None or ctx.epoch_steps is not None
         steps = _measure.plan(epoch_steps if known else None, candidate.steps_multiple)
         entry = _measure.Entry(candidate, twin, fit_kwargs, steps, epoch_steps, epoch_examples)
+        # Before the twin's first fit: it starts from the user's weights and a fresh optimizer.
+        checks[id(entry)] = checker.check(candidate, twin)
         with warnings.catch_warnings():
             # The traced step's fallback warning is about a twin: the row says it instead.
             warnings.simplefilter("ignore", KerasPerfWarning)
@@ -241,7 +244,9 @@ def _run(model, source, max_seconds, exact, apply, notes):
     notes.extend(offer_notes)
 
     rows = []
-    base = _entry(ctx, _candidates.baseline(ctx), fit_kwargs, rows)
+    checker = _Exactness(ctx, _exactness_data(source, B), B, notes)
+    checks = {}
+    base = _entry(ctx, _candidates.baseline(ctx), fit_kwargs, rows, checker, checks)
     if base is None and _dmeasure.make_twin(model) is None:
         notes.append(
             "Keras could not clone this model (give it a get_config): nothing was measured, "
@@ -263,15 +268,9 @@ def _run(model, source, max_seconds, exact, apply, notes):
     entries = [base]
     for c in offered:
         kw = fit_kwargs if c.batch_size == B else source.fit_kwargs(batch_size=c.batch_size)
-        e = _entry(ctx, c, kw, rows)
+        e = _entry(ctx, c, kw, rows, checker, checks)
         if e is not None:
             entries.append(e)
-
-    data = _exactness_data(source, B)
-    checker = _Exactness(ctx, data, B, notes)
-    checks = {}
-    for e in entries[1:]:
-        checks[id(e)] = checker.check(e.candidate)
 
     _measure.alternate(entries, max_seconds * PHASE_ONE)
 
@@ -289,9 +288,8 @@ def _run(model, source, max_seconds, exact, apply, notes):
     )
     new = []
     for c in _candidates.pairs(ctx, [w.candidate for w in winners]):
-        e = _entry(ctx, c, fit_kwargs, rows)
+        e = _entry(ctx, c, fit_kwargs, rows, checker, checks)
         if e is not None:
-            checks[id(e)] = checker.check(c)
             new.append(e)
     if new:
         second = [base, *winners[:1], *new]
@@ -398,13 +396,18 @@ def _why(e, r, base, chosen_row, exact, apply, best_eps) -> str | None:
 
 
 class _Exactness:
-    """A reference twin trained a few steps with the model's own settings, once; then each
-    candidate's twin from the same start, compared with it (`_exact.compare`)."""
+    """The baseline's twin trained a few steps with the model's own settings, before its first
+    timed fit, is the reference (kept as an `_exact.Snapshot`); each candidate's twin, trained
+    the same way before its first timed fit, is compared with it (`_exact.compare`). So each
+    twin's train function is traced and compiled once, for the check and the timing alike. A
+    model with dropout is checked at rate 0 on twins of its own (a traced train function keeps
+    the rate it was traced with, and the timed twins must drop out as the user's model does)."""
 
     def __init__(self, ctx, data, batch_size, notes):
         self.ctx, self.data, self.B, self.notes = ctx, data, batch_size, notes
         self.reference = None
         self.skip = _exact.biases_before_batchnorm(ctx.model)
+        self.own_twins = _exact.has_dropout(ctx.model)
         if data is None:
             notes.append("exactness not checked: no full batch could be read from `x`.")
         elif self.skip:
@@ -413,22 +416,31 @@ class _Exactness:
                 "comparison; the model's outputs on a batch are compared instead."
             )
 
-    def _trained(self, make):
-        twin = make()
-        _exact.no_dropout(twin)
+    def _train(self, twin):
+        if self.own_twins:
+            _exact.no_dropout(twin)
         _exact.train_twin(twin, self.data, self.B)
-        return twin
 
-    def check(self, candidate):
-        """(exact, max_abs_diff); (None, None) where not checked."""
-        if self.data is None or not candidate.exact_lever:
+    def check(self, candidate, twin):
+        """(exact, max_abs_diff) of `candidate` with `twin`, not yet fitted; (None, None)
+        where not checked. The baseline (`{}` settings) becomes the reference: (True, 0.0)."""
+        if self.data is None:
+            return None, None
+        is_base = not candidate.settings
+        if not is_base and (not candidate.exact_lever or self.reference is None):
             return None, None
         try:
-            if self.reference is None:
-                self.reference = self._trained(_candidates.recompiled_twin(self.ctx))
-            twin = self._trained(candidate.make)
+            if self.own_twins:
+                twin = candidate.make()
+            self._train(twin)
+            if is_base:
+                self.reference = _exact.Snapshot(twin, self.data, self.B, self.skip)
+                return True, 0.0
         except Exception as e:  # noqa: BLE001 - listed, not fatal
-            self.notes.append(f"exactness of {candidate.name} not checked: {e}"[:200])
+            if is_base:
+                self.notes.append(f"exactness not checked: the reference failed: {e}"[:200])
+            else:
+                self.notes.append(f"exactness of {candidate.name} not checked: {e}"[:200])
             return None, None
         ok, diff = _exact.compare(self.reference, twin, self.data, self.B, self.skip)
         return ok, float(np.float64(diff))

@@ -141,8 +141,8 @@ def _torch_compile(ctx, notes):
     if ctx.max_seconds < TORCH_COMPILE_MIN_SECONDS:
         notes.append(
             f"jit_compile=True (torch.compile) not tried: with max_seconds below "
-            f"{TORCH_COMPILE_MIN_SECONDS} its compile (tens of seconds to minutes on a CPU, "
-            "twice: timing and exactness) would dwarf the measurement."
+            f"{TORCH_COMPILE_MIN_SECONDS} its compile (tens of seconds to minutes on a CPU) "
+            "would dwarf the measurement."
         )
         return None
     return single(
@@ -178,7 +178,7 @@ def _torch_traced(ctx, notes):
         notes.append(
             f'traced_step="inductor" not tried: with max_seconds below '
             f"{TORCH_COMPILE_MIN_SECONDS} inductor's compile of the traced step (seconds per "
-            "input signature on a CPU, twice: timing and exactness) would dwarf the measurement."
+            "input signature on a CPU) would dwarf the measurement."
         )
         return found
     found.append(

@@ -111,7 +111,8 @@ class Snapshot:
         if skip:
             out = model.predict_on_batch(_first_batch(data[0], batch_size))
             self.outputs = [
-                np.asarray(keras.ops.convert_to_numpy(o), "float64") for o in keras.tree.flatten(out)
+                np.asarray(keras.ops.convert_to_numpy(o), "float64")
+                for o in keras.tree.flatten(out)
             ]
 
 

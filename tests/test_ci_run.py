@@ -62,7 +62,8 @@ def test_stubs_let_the_whole_run_pass(tmp_path):
         "[jax]",
         "[torch]",
     }
-    # Every backend runs its slow tier, and its `timing` tests alone in one process after it:
+    # Every backend runs its slow tier (less the `heavy` cases, run by hand), and its `timing`
+    # tests alone in one process after it:
     # TensorFlow's default tier is the README's command, JAX's and PyTorch's share a session
     # with their slow tier (less the TF-only cases).
     k = (
@@ -71,11 +72,11 @@ def test_stubs_let_the_whole_run_pass(tmp_path):
     )
     assert [ln for ln in log if "-m pytest" in ln] == [
         "python -m pytest [tensorflow]",
-        f"python -m pytest -m not timing {k} [jax]",
+        f"python -m pytest -m not timing and not heavy {k} [jax]",
         "python -m pytest -m timing -n 0 [jax]",
-        f"python -m pytest -m not timing {k} [torch]",
+        f"python -m pytest -m not timing and not heavy {k} [torch]",
         "python -m pytest -m timing -n 0 [torch]",
-        "python -m pytest -m slow and not timing [tensorflow]",
+        "python -m pytest -m slow and not timing and not heavy [tensorflow]",
         "python -m pytest -m timing -n 0 [tensorflow]",
     ]
 

@@ -26,6 +26,18 @@ SLOW = pytest.mark.slow
 # The heaviest (piece, architecture) cases beyond the slow architectures (ResNet50,
 # EfficientNetB0). None at present.
 SLOW_CASES = set()
+# Pieces that drive `fit` from callbacks or a train step of their own, whatever the layers:
+# on the large architectures (ResNet50, EfficientNetB0; MobileNetV2 too on JAX and PyTorch,
+# where it is the largest one run) they repeat what the small architectures and MobileNetV2
+# on TensorFlow prove, at 20-46 s a case (CI's TensorFlow slow tier, 2026-11-28). They are
+# marked `heavy`: out of `.ci/run`, run by hand with `-m heavy`. The pieces whose code walks
+# the layers (micro-batches with BatchNormalization, the OOM ladder's remat rung, pruning and
+# its strip, TFLite, the reports) run on every architecture.
+LOOP_PIECES = {"loss_scaled_mb1", "distillation", "monitor", "early_stopping", "time_limit"}
+
+
+def _heavy(name, arch):
+    return arch.slow or (name == "mobilenet_v2" and BACKEND != "tensorflow")
 
 # (piece, architecture) -> (backends where it breaks, the known break). Remove a line when
 # its break is fixed: the strict xfail fails as soon as the case passes.
@@ -46,6 +58,8 @@ def cases(piece, archs=None, microbatches=None):
         for k in microbatches or (None,):
             key = piece if k is None else f"{piece}_mb{k}"
             marks = [SLOW] if arch.slow or (key, name) in SLOW_CASES else []
+            if key in LOOP_PIECES and _heavy(name, arch):
+                marks.append(pytest.mark.heavy)
             known = KNOWN.get((key, name))
             if known is not None and BACKEND in known[0]:
                 marks.append(pytest.mark.xfail(strict=True, reason=known[1]))

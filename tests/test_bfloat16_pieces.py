@@ -306,6 +306,9 @@ def test_bfloat16_trained_model_exports_to_tflite_as_its_float32_twin(tmp_path):
 def test_digits_mlp_accuracy_under_bfloat16_is_within_float32_seed_spread():
     from benchmarks.bench_bf16_accuracy import compare
 
-    result = compare("mlp", epochs=30)
+    # PyTorch's eager bfloat16 steps on a CPU without bfloat16 units: 30 epochs took 227 s on a
+    # CI worker (2026-11-28); 10 epochs, 18 s alone, gave float32 0.975-0.989 and bfloat16
+    # 0.978-0.992 (mean 0.985, inside the spread). The 30-epoch figures: bench_bf16_accuracy.
+    result = compare("mlp", epochs=10 if BACKEND == "torch" else 30)
     assert result["within_spread"], result
     assert min(result["accuracy"]["mixed_bfloat16"]) > 0.9

@@ -39,6 +39,7 @@ LOOP_PIECES = {"loss_scaled_mb1", "distillation", "monitor", "early_stopping", "
 def _heavy(name, arch):
     return arch.slow or (name == "mobilenet_v2" and BACKEND != "tensorflow")
 
+
 # (piece, architecture) -> (backends where it breaks, the known break). Remove a line when
 # its break is fixed: the strict xfail fails as soon as the case passes.
 ALL = ("tensorflow", "jax", "torch")

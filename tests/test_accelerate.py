@@ -156,6 +156,22 @@ def test_apply_false_measures_only_and_the_report_is_complete():
         assert len(traced) == 1
 
 
+def test_every_row_says_why_when_the_fastest_was_not_confirmed():
+    # CI, 2026-11-28: the fastest candidate failed its fresh rounds, and a second one that had
+    # also beaten the baseline by more than 5 % was left without a note.
+    from types import SimpleNamespace
+
+    from keras_perf.acceleration import _why
+
+    cand = SimpleNamespace(exact_lever=True, note=None, settings={"steps_per_execution": 4})
+    e, base = SimpleNamespace(candidate=cand), SimpleNamespace()
+    row = {"speedup": 1.2, "exact": True, "examples_per_s": 120.0, "max_abs_diff": 0.0}
+    note = _why(e, row, base, None, True, True, 100.0)
+    assert note.startswith("1.20x in the rounds") and "fresh rounds" in note
+    unchecked = _why(e, dict(row, exact=None), base, None, True, True, 100.0)
+    assert "exactness could not be checked" in unchecked
+
+
 @pytest.mark.slow  # a few seconds
 @pytest.mark.parametrize("dropout", [0.0, 0.3])
 def test_each_candidate_is_cloned_once_and_checked_before_it_is_timed(monkeypatch, dropout):

@@ -8,18 +8,6 @@ import os
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("KP_TEST_THREADS", "1") == "1":
-    # One xdist worker per core: each backend's own thread pools (sized to every core) would
-    # put twice as many busy threads as cores, spinning and switching. One compute thread per
-    # worker, set before the backend is imported; its child processes inherit it. The `timing`
-    # tests run in one process (`-n 0`) with the backend's own pools, as a user's would.
-    # KP_TEST_THREADS=0 keeps the backends' defaults.
-    # Inter-op pools stay: a MirroredStrategy's replicas need ops running side by side.
-    for name in ("TF_NUM_INTRAOP_THREADS", "OMP_NUM_THREADS"):
-        os.environ.setdefault(name, "1")
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_cpu_multi_thread_eigen" not in flags:
-        os.environ["XLA_FLAGS"] = (flags + " --xla_cpu_multi_thread_eigen=false").strip()
 
 import keras  # noqa: E402
 import pytest  # noqa: E402

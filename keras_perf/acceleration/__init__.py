@@ -395,8 +395,6 @@ def _why(e, r, base, chosen_row, exact, apply, best_eps) -> str | None:
     lead = f"{r['speedup']:.2f}x in the rounds that compared the candidates"
     if r["exact"] is None and exact:
         return f"{lead}; its exactness could not be checked: not applied with exact=True"
-    if not _apply.applicable(c.settings):
-        return f"{lead}; not a setting accelerate applies" + (f" ({c.note})" if c.note else "")
     if chosen_row is None:
         # Only the fastest is confirmed in fresh rounds; it was not (or could not be applied).
         return f"{lead}; not applied: the fastest of them did not hold its lead in fresh rounds"

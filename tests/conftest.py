@@ -8,11 +8,33 @@ import os
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# One xdist worker per core: each backend's own thread pools (sized to every core) would put
+# twice as many busy threads as cores. PyTorch's OpenMP threads then spin against each other:
+# its bfloat16 digits test took 128 s in each of two processes side by side with two threads
+# each, 22.5 s with one (2026-11-28). One compute thread per worker, set before the backend
+# starts its pools; child processes inherit it. The `timing` tests run in one process (`-n 0`)
+# with the backends' own pools, as a user's would. KP_TEST_THREADS=0 keeps the defaults.
+# Inter-op pools stay: a MirroredStrategy's replicas need ops running side by side.
+ONE_THREAD = bool(os.environ.get("PYTEST_XDIST_WORKER")) and (
+    os.environ.get("KP_TEST_THREADS", "1") == "1"
+)
+if ONE_THREAD:
+    for name in ("TF_NUM_INTRAOP_THREADS", "OMP_NUM_THREADS"):
+        os.environ.setdefault(name, "1")
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_cpu_multi_thread_eigen" not in flags:
+        os.environ["XLA_FLAGS"] = (flags + " --xla_cpu_multi_thread_eigen=false").strip()
 
 import keras  # noqa: E402
 import pytest  # noqa: E402
 
 BACKEND = keras.backend.backend()
+if ONE_THREAD and BACKEND == "torch":
+    import torch
+
+    # torch may already be imported (and its OpenMP pool sized) before this file runs in an
+    # xdist worker: OMP_NUM_THREADS above then reached only its child processes.
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def pytest_report_header(config):

@@ -151,8 +151,14 @@ def test_qat_4bit_file_keeps_4bit_weights_and_the_keras_accuracy(trained, data, 
         assert np.abs(w).max() <= 64
         levels = [len(np.unique(c)) for c in np.moveaxis(w, axis, 0)]
         assert max(levels) <= 15, levels
-    keras_acc = accuracy(qat.predict(xv, verbose=0), yv)
-    assert abs(accuracy(kp.onnx_predict(report["path"], xv), yv) - keras_acc) <= 0.01
+    # The file classifies as the QAT model does: ONNX Runtime's integer arithmetic and the
+    # model's fake quantization round a few borderline examples apart (measured 2026-11-28,
+    # 360 examples: 98.9-99.4 % agreement on the three backends and with one or two compute
+    # threads; accuracy 0.3-1.1 points apart, either way). At most 2 % of the examples differ.
+    expected = qat.predict(xv, verbose=0)
+    got = kp.onnx_predict(report["path"], xv)
+    assert np.mean(got.argmax(-1) == expected.argmax(-1)) >= 0.98
+    assert abs(accuracy(got, yv) - accuracy(expected, yv)) <= 0.02
 
 
 def test_qat_argument_errors(trained, data, tmp_path):

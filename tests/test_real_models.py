@@ -32,12 +32,25 @@ SLOW_CASES = set()
 # on TensorFlow prove, at 20-46 s a case (CI's TensorFlow slow tier, 2026-11-28). They are
 # marked `heavy`: out of `.ci/run`, run by hand with `-m heavy`. The pieces whose code walks
 # the layers (micro-batches with BatchNormalization, the OOM ladder's remat rung, pruning and
-# its strip, TFLite, the reports) run on every architecture.
+# its strip, TFLite, the reports) run on every architecture but as said next.
 LOOP_PIECES = {"loss_scaled_mb1", "distillation", "monitor", "early_stopping", "time_limit"}
+# ResNet50 brings no layer kind that MobileNetV2 and EfficientNetB0 lack but MaxPooling2D
+# (Conv2D, BatchNormalization, Add, Activation, ZeroPadding2D, pooling, Dense): in CI it runs
+# the reports alone, its layer-walking pieces (micro-batches, the OOM ladder, pruning, TFLite:
+# 121 s of CI's TensorFlow test time, 2026-11-28) by hand with `-m heavy`, as do
+# EfficientNetB0's micro-batches (51 s: BatchNormalization under micro-batches is
+# MobileNetV2's case, Dropout's tests/test_train_step.py's).
+REPORTS = {"check_mixed_precision", "compression_report", "flops"}
 
 
-def _heavy(name, arch):
-    return arch.slow or (name == "mobilenet_v2" and BACKEND != "tensorflow")
+def _heavy(key, name, arch):
+    if key in LOOP_PIECES and arch.slow:
+        return True
+    if key in LOOP_PIECES and name == "mobilenet_v2" and BACKEND != "tensorflow":
+        return True
+    if name == "resnet50" and key not in REPORTS:
+        return True
+    return (key, name) == ("loss_scaled_mb2", "efficientnet_b0")
 
 
 # (piece, architecture) -> (backends where it breaks, the known break). Remove a line when
@@ -59,7 +72,7 @@ def cases(piece, archs=None, microbatches=None):
         for k in microbatches or (None,):
             key = piece if k is None else f"{piece}_mb{k}"
             marks = [SLOW] if arch.slow or (key, name) in SLOW_CASES else []
-            if key in LOOP_PIECES and _heavy(name, arch):
+            if _heavy(key, name, arch):
                 marks.append(pytest.mark.heavy)
             known = KNOWN.get((key, name))
             if known is not None and BACKEND in known[0]:

@@ -21,7 +21,9 @@ twice) before it is returned, and waits for its last step.
   `nn.Embedding`, `nn.LSTM(batch_first=True)`, `nn.MultiheadAttention(batch_first=True)`,
   `nn.LayerNorm`), eager, `torch.optim.Adam(foreach=True)`. With `compiled=True` the module is
   wrapped in `torch.compile(dynamic=False)` (inductor; the backward through AOTAutograd; the loss
-  stays eager), as a torch user compiles a model; a model it fails on raises ValueError.
+  stays eager), as a torch user compiles a model; a model it fails on raises ValueError. Dynamo
+  leaves `nn.LSTM` eager (`torch._dynamo.config.allow_rnn` is off by default): the compiled LSTM
+  floor compiles the embedding and the head around it.
 
 TF and JAX weights are initialised from numpy (He normal kernels, uniform +-0.05 embeddings,
 zero biases); torch modules keep their own initialisation. The floor is timed, not compared.

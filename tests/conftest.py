@@ -34,7 +34,9 @@ if ONE_THREAD and BACKEND == "torch":
 
     # torch may already be imported (and its OpenMP pool sized) before this file runs in an
     # xdist worker: OMP_NUM_THREADS above then reached only its child processes.
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    # OpenMP also takes a list per nesting level ("4,2"): the first is the outer pool.
+    first = os.environ["OMP_NUM_THREADS"].split(",")[0].strip()
+    torch.set_num_threads(int(first) if first.isdigit() and int(first) > 0 else 1)
 
 
 def pytest_report_header(config):

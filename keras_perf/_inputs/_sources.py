@@ -16,6 +16,7 @@ import time
 import keras
 import numpy as np
 
+from keras_perf import backend as _backend
 from keras_perf._inputs._kinds import KERAS_DEFAULT_BATCH, is_array_input, module_of
 from keras_perf._utils import first_tensor
 
@@ -60,8 +61,9 @@ class Source:
 class ArraySource(Source):
     kind = "arrays"
 
-    def __init__(self, x, y, batch_size, caller="diagnose"):
+    def __init__(self, x, y, batch_size, caller="diagnose", model=None):
         self.x, self.y = x, y
+        self.model = model  # the model the fits train a twin of (its tf.distribute strategy)
         self.batch_size = batch_size or KERAS_DEFAULT_BATCH
         n = int(first_tensor(x).shape[0])
         for name, part in (("y", y),):
@@ -82,9 +84,15 @@ class ArraySource(Source):
             raise ValueError(f"{caller}: `x` holds no examples.")
         self.examples = n
         self.batches_per_epoch = max(n // self.batch_size, 1)
+        self._fit_kwargs: dict = {}
 
     def fit_kwargs(self, batch_size=None) -> dict:
-        return {"x": self.x, "y": self.y, "batch_size": batch_size or self.batch_size}
+        size = batch_size or self.batch_size
+        if size not in self._fit_kwargs:  # one pipeline per batch size, reused by every fit
+            self._fit_kwargs[size] = _backend.array_fit_kwargs(
+                self.model, self.x, self.y, None, size
+            )
+        return dict(self._fit_kwargs[size])
 
     def _iterate(self):
         # What fit does per batch on JAX and torch (on TF its tf.data pipeline does the same).
@@ -150,7 +158,7 @@ def _length(x, kind) -> int | None:
         return None
 
 
-def make_source(x, y, batch_size, steps, caller="diagnose") -> Source:
+def make_source(x, y, batch_size, steps, caller="diagnose", model=None) -> Source:
     """Sort the data into one of the kinds fit takes; raise what fit would raise, early, naming
     `caller` (the tool)."""
     if x is None:
@@ -190,7 +198,7 @@ def make_source(x, y, batch_size, steps, caller="diagnose") -> Source:
         )
     if y is not None and not is_array_input(y):
         raise TypeError(f"{caller}: `y` must be arrays like `x`; got {type(y).__name__}.")
-    return ArraySource(x, y, batch_size, caller)
+    return ArraySource(x, y, batch_size, caller, model)
 
 
 def stack(batches: list, batch_size: int):

@@ -67,9 +67,11 @@ def _check(model, batch_size, max_seconds, exact, apply):
     check_bool("apply", apply)
 
 
-def _source(x, y, batch_size):
+def _source(model, x, y, batch_size):
     """`diagnose`'s reading of the data; a one-pass generator is read once into memory."""
-    source = _data.make_source(x, y, batch_size, GENERATOR_BATCHES, caller="accelerate")
+    source = _data.make_source(
+        x, y, batch_size, GENERATOR_BATCHES, caller="accelerate", model=model
+    )
     notes = []
     if source.one_pass:
         batches = list(source.recorder())
@@ -85,7 +87,7 @@ def _source(x, y, batch_size):
             f"{GENERATOR_BATCHES}, as kp.diagnose reads one) and measured on them in memory"
             + ("; their sample weights were left out." if sws is not None else ".")
         )
-        source = _data.ArraySource(xs, ys, size, caller="accelerate")
+        source = _data.ArraySource(xs, ys, size, caller="accelerate", model=model)
     return source, notes
 
 
@@ -156,7 +158,7 @@ def accelerate(model, x, y=None, batch_size=None, *, max_seconds=60, exact=True,
     _check(model, batch_size, max_seconds, exact, apply)
     check_no_ignored_settings("accelerate", model)
     check_fit_data("accelerate", model, x)
-    source, notes = _source(x, y, batch_size)
+    source, notes = _source(model, x, y, batch_size)
     rng = _dmeasure.RandomState()
     try:
         return _run(model, source, float(max_seconds), exact, apply, notes)

@@ -25,6 +25,7 @@ import keras
 import numpy as np
 
 from keras_perf import _keras_internals as keras_internals
+from keras_perf import backend as _backend
 from keras_perf._fit_measure import RandomState
 from keras_perf._utils import iter_layers
 
@@ -86,9 +87,8 @@ def train_twin(twin, data, batch_size) -> None:
     rng = RandomState()
     try:
         keras.utils.set_random_seed(1234)
-        twin.fit(
-            xs, ys, sample_weight=sws, batch_size=batch_size, epochs=1, shuffle=False, verbose=0
-        )
+        kw = _backend.array_fit_kwargs(twin, xs, ys, sws, batch_size, shuffle=False)
+        twin.fit(**kw, epochs=1, verbose=0)
     finally:
         rng.restore()
 

@@ -32,6 +32,9 @@ Interface (every implementation module provides these names):
   only): `keras.quantizers.fake_quant_with_min_max_vars` in fused ops, where Keras' own path
   is slow; elsewhere the name is None and callers use Keras'. With it, ``fake_quant_kernel``
   and ``moving_average_fake_quant``: the QAT kernel and activation quantizers in torch ops.
+- ``array_fit_input(model, x, y, sample_weight, batch_size, shuffle)`` (optional; TensorFlow
+  only): a `tf.data.Dataset` of in-memory arrays for `fit` under a tf.distribute strategy, else
+  None; callers use ``array_fit_kwargs`` here, which falls back to the arrays.
 - ``model_scope(model)``, ``is_multi_worker(model)`` and ``any_worker(flag, model)`` (optional;
   TensorFlow only): the scope of the tf.distribute strategy `model` was created under, in which
   a model sharing its layers must be created; whether that strategy spans several workers;
@@ -185,6 +188,23 @@ def is_multi_worker(model=None) -> bool:
     """Whether training runs in several processes that must agree (TF multi-worker)."""
     fn = getattr(_impl, "is_multi_worker", None)
     return False if fn is None else fn(model)
+
+
+def array_fit_kwargs(model, x, y=None, sample_weight=None, batch_size=32, shuffle=True):
+    """What to pass `model.fit` to train on in-memory arrays: the arrays themselves, except
+    under a TensorFlow tf.distribute strategy, where a `tf.data.Dataset` of them stands in
+    (Keras' array pipeline there crashes the process after tens of fits; backend/tensorflow.py
+    says how). For the tools that run many `fit` calls on twins (`accelerate`, `diagnose`)."""
+    fn = getattr(_impl, "array_fit_input", None)
+    ds = fn(model, x, y, sample_weight, batch_size, shuffle) if fn is not None else None
+    if ds is not None:
+        return {"x": ds, "shuffle": False}  # the dataset shuffles; fit's flag would only warn
+    kw = {"x": x, "y": y, "batch_size": batch_size}
+    if sample_weight is not None:
+        kw["sample_weight"] = sample_weight
+    if not shuffle:
+        kw["shuffle"] = False
+    return kw
 
 
 def model_scope(model):

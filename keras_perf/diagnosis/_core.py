@@ -118,7 +118,7 @@ def diagnose(
     limit = _check(model, steps, max_seconds, batch_size, what_if, memory_limit_bytes)
     check_fit_data("diagnose", model, x)
     check_no_ignored_settings("diagnose", model)
-    source = _data.make_source(x, y, batch_size, steps)
+    source = _data.make_source(x, y, batch_size, steps, model=model)
     rng = _measure.RandomState()
     try:
         return _run(model, source, steps, float(max_seconds), what_if, limit)

@@ -23,6 +23,7 @@ import numpy as np
 
 from keras_perf import backend as _backend
 from keras_perf._carry_over import keep_train_step
+from keras_perf._utils import host_copy
 
 COMPILE_KEYS = (
     "optimizer",
@@ -117,7 +118,7 @@ class Snapshot:
         for v in list(model.variables) + extra + list(model.metrics_variables):
             if id(v) not in seen:
                 seen.add(id(v))
-                self.pairs.append((v, np.array(keras.ops.convert_to_numpy(v.value), copy=True)))
+                self.pairs.append((v, host_copy(v)))
         self.attrs = {k: getattr(model, k, None) for k in ("history", "stop_training")}
         self.model = model
 

@@ -16,6 +16,7 @@ import warnings
 from collections.abc import Iterator, Mapping
 
 import keras
+import numpy as np
 
 from keras_perf import _keras_internals as keras_internals
 
@@ -158,6 +159,16 @@ def iter_layers(model: keras.layers.Layer) -> Iterator[keras.layers.Layer]:
 def _direct_sublayers(layer) -> list:
     sub = keras_internals.direct_sublayers(layer)
     return [s for s in sub if isinstance(s, keras.layers.Layer)]
+
+
+def host_copy(variable) -> np.ndarray:
+    """A NumPy copy of a Keras variable's value, to put back later.
+
+    `copy=True`: on a CPU, torch and JAX may hand out views of the live buffers. `numpy()`
+    rather than `convert_to_numpy(v.value)`: under a tf.distribute strategy a metric's
+    variables are sync-on-read, which `numpy()` reads (aggregated) and the other raises on.
+    """
+    return np.array(variable.numpy(), copy=True)
 
 
 def sum_of_squares(tensors):

@@ -760,6 +760,32 @@ def test_one_pass_input_with_what_ifs(digits, kind):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.backends("tensorflow")
+def test_under_a_strategy_every_measuring_fit_reads_a_tf_data_pipeline(digits, monkeypatch):
+    """Keras' array pipeline under a tf.distribute strategy segfaults TensorFlow after some
+    70-90 fits in one process (docs/accelerate.md): diagnose's fits, what-ifs included, read
+    a tf.data pipeline of the arrays instead, and the model is left as it was."""
+    import tensorflow as tf
+
+    (x, y), _ = digits
+    with tf.distribute.MirroredStrategy(["/cpu:0"]).scope():
+        model = small_mlp()
+    before = model.get_weights()
+    inputs, fit = [], keras.Model.fit
+
+    def recording(self, x=None, *args, **kwargs):
+        inputs.append(type(x).__name__)
+        return fit(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(keras.Model, "fit", recording)
+    d = kp.diagnose(model, x, y, batch_size=64, steps=8, max_seconds=4)
+    monkeypatch.undo()
+    assert d.bottleneck in ("input", "host", "compute"), str(d)
+    assert len(inputs) >= 4 and "ndarray" not in inputs, inputs
+    for a, b in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_bad_input_errors_before_measuring(digits):
     (x, y), _ = digits
     model = small_mlp()

@@ -640,3 +640,23 @@ def test_digits_suggestion_trains_well(digits, seed):
         accuracy[lr] = m.evaluate(x_test, y_test, verbose=0)[1]
     assert accuracy[f.suggestion] >= 0.90, (f, accuracy)
     assert accuracy[f.suggestion] > accuracy[f.suggestion / 100], (f, accuracy)
+
+
+@pytest.mark.skipif(BACKEND != "tensorflow", reason="tf.distribute")
+def test_under_a_mirrored_strategy_the_test_runs_and_leaves_the_model_as_it_was():
+    """A model built under a tf.distribute strategy: its optimizer is built in the strategy's
+    scope (outside it, Keras raises 'Need to be inside "with strategy.scope()"'), the curve has
+    a loss per learning rate, and every variable, sync-on-read metric ones included, is put
+    back."""
+    import tensorflow as tf
+
+    x, y = _data(256)
+    with tf.distribute.MirroredStrategy(["/cpu:0"]).scope():
+        model = _compiled()
+    variables = model.variables + model.metrics_variables
+    before = [np.array(v.numpy(), copy=True) for v in variables]
+    r = kp.find_learning_rate(model, x, y, batch_size=32, steps=30)
+    assert len(r.lrs) == len(r.losses) >= 10 and all(math.isfinite(v) for v in r.losses[:10])
+    for v, a in zip(variables, before):
+        np.testing.assert_array_equal(np.array(v.numpy()), a, err_msg=v.path)
+    assert model.optimizer.built and int(model.optimizer.iterations.numpy()) == 0

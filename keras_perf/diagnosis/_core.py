@@ -334,9 +334,8 @@ def _step_alone(r) -> None:
             lambda a: None if a is None else np.concatenate([a] * reps), (xs, ys, sws)
         )
     sizes = [B, B // 2] if B >= 2 else [B]
-    kwargs = [
-        {"x": xs, "y": ys, "sample_weight": sws, "batch_size": b, "shuffle": False} for b in sizes
-    ]
+    # Under a tf.distribute strategy a tf.data pipeline of the arrays (backend.array_fit_kwargs).
+    kwargs = [_backend.array_fit_kwargs(twin, xs, ys, sws, b, shuffle=False) for b in sizes]
     r.retrace = []
     for kw in kwargs:
         t0 = time.perf_counter()

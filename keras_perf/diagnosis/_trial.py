@@ -97,7 +97,7 @@ def what_ifs(r, model, can_recompile, peak, bottleneck, max_seconds, limit=None)
     base_kwargs = (
         source.fit_kwargs()
         if not source.one_pass
-        else {"x": r.xs, "y": r.ys, "sample_weight": r.sws, "batch_size": B, "shuffle": False}
+        else _backend.array_fit_kwargs(twin, r.xs, r.ys, r.sws, B, shuffle=False)
     )
     base_step = r.together if not source.one_pass else r.t_b
     device_bytes = None

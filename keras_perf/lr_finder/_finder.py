@@ -169,7 +169,8 @@ def _build_optimizer(model) -> None:
             "or call it on a batch)."
         )
     if model_built and not model.optimizer.built:
-        model.optimizer.build(model.trainable_variables)
+        with _backend.model_scope(model):  # a tf.distribute model's slots are its strategy's
+            model.optimizer.build(model.trainable_variables)
 
 
 def _innermost(optimizer):

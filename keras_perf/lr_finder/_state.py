@@ -13,10 +13,9 @@ from __future__ import annotations
 import random
 import sys
 
-import keras
 import numpy as np
 
-from keras_perf._utils import warn
+from keras_perf._utils import host_copy, warn
 
 _ABSENT = object()
 _MODEL_ATTRIBUTES = ("history", "stop_training")
@@ -75,11 +74,7 @@ class ModelState:
             self._attributes[name] = getattr(self.model, name, _ABSENT)
 
     def save_variables(self) -> None:
-        # np.array(copy=True): on CPU, torch and JAX may hand out views of the live buffers.
-        self._values = [
-            (v, np.array(keras.ops.convert_to_numpy(v.value), copy=True))
-            for v in _state_variables(self.model)
-        ]
+        self._values = [(v, host_copy(v)) for v in _state_variables(self.model)]
 
     def restore(self) -> None:
         """Put back what was saved (variables only if `save_variables` ran).

@@ -23,7 +23,7 @@ from keras_perf import _keras_internals as keras_internals
 from keras_perf import backend as _backend
 from keras_perf._inputs import KERAS_DEFAULT_BATCH, is_array_input
 from keras_perf._masks import constraint_masks
-from keras_perf._utils import first_tensor, iter_layers, map_batch
+from keras_perf._utils import first_tensor, host_copy, iter_layers, map_batch
 
 # The input `x`
 
@@ -89,10 +89,8 @@ def build_state(model, x, y, sample_weight) -> None:
 
 def _snapshot(model, variables=None) -> list:
     """Host copies of `variables` (default: `_state_variables(model)`), for `_restore`."""
-    # np.array(copy=True): on CPU, torch and JAX may hand out views of the live buffers.
     return [
-        (v, np.array(keras.ops.convert_to_numpy(v.value), copy=True))
-        for v in (_state_variables(model) if variables is None else variables)
+        (v, host_copy(v)) for v in (_state_variables(model) if variables is None else variables)
     ]
 
 

@@ -776,6 +776,27 @@ def test_accelerate_under_a_mirrored_strategy(monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.backends("tensorflow")
+def test_a_list_input_model_under_a_mirrored_strategy():
+    """The tf.data stand-in keeps a list of inputs as the model's inputs (tf.data would stack
+    a list into one tensor: "Can't convert non-rectangular Python sequence")."""
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    a, b = rng.normal(size=(128, 4)).astype("float32"), rng.normal(size=(128, 3)).astype("float32")
+    y = rng.integers(0, 3, 128)
+    with tf.distribute.MirroredStrategy(["/cpu:0"]).scope():
+        i1, i2 = keras.Input((4,)), keras.Input((3,))
+        model = keras.Model([i1, i2], keras.layers.Dense(3)(keras.layers.Concatenate()([i1, i2])))
+        model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    before = model.get_weights()
+    r = kp.accelerate(model, [a, b], y, batch_size=16, max_seconds=1)
+    assert r.rows and r.rows[0]["examples_per_s"] is not None, str(r)
+    for w0, w1 in zip(before, model.get_weights()):
+        np.testing.assert_array_equal(w0, w1)
+
+
+@pytest.mark.slow
 @pytest.mark.backends("jax")
 def test_accelerate_under_jax_data_parallel():
     import jax

@@ -237,9 +237,12 @@ def array_fit_input(model, x, y, sample_weight, batch_size, shuffle):
     """
     if getattr(model, "_distribute_strategy", None) is None:
         return None
+    # Lists become tuples (tf.data would stack a list of inputs into one tensor); `x` alone is
+    # a 1-tuple, so that Keras never reads a tuple of inputs as (x, y).
+    x, y = (tuple(p) if isinstance(p, list) else p for p in (x, y))
     parts = tuple(p for p in (x, y, sample_weight) if p is not None)
     n = int(tf.nest.flatten(x)[0].shape[0])
-    ds = tf.data.Dataset.from_tensor_slices(parts[0] if len(parts) == 1 else parts)
+    ds = tf.data.Dataset.from_tensor_slices(parts)
     if shuffle:
         ds = ds.shuffle(n, seed=0, reshuffle_each_iteration=True)
     return ds.batch(batch_size).prefetch(tf.data.AUTOTUNE)

@@ -386,6 +386,9 @@ def _check_quick_demo(out, printed):
     assert "gain" in printed and "distillation, 10% labels" in printed
 
 
+# Slow tier (CI's TensorFlow slow stage): 44 s, the README's test command's longest test; the
+# README's other command runs the whole demo, and the fast tests below check its parts.
+@pytest.mark.slow
 @pytest.mark.backends("tensorflow")
 def test_demo_quick_shows_every_lever_against_its_baseline(tmp_path, capsys):
     out = tmp_path / "demo"

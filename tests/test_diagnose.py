@@ -27,8 +27,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # turn a compute-bound step host-bound. The others (bad input, one-pass inputs, the step's
 # memory count, the command line, and the what-ifs asserted offered and measured but not
 # faster: mixed precision by device, memory caps, a larger batch micro-batched or
-# rematerialised) assert nothing about time and run beside other tests; their budgets leave
-# room for a worker sharing the cores (TensorFlow, two at a time: every one passed twice,
+# rematerialised) assert nothing about time and run beside other tests; their budgets held
+# with a worker sharing the cores (TensorFlow, two at a time: every one passed twice,
 # 2026-11-28; JAX and PyTorch beside accelerate's tests: 2026-11-29).
 pytestmark = pytest.mark.slow
 TIMING = pytest.mark.timing

@@ -485,8 +485,61 @@ def _simplify(graph) -> None:
         ):
             node.replace_all_uses_with(node.args[0])
             graph.graph.erase_node(node)
+    _stack_slice_gradients(graph.graph)
     graph.graph.eliminate_dead_code()
     graph.recompile()
+
+
+def _stack_slice_gradients(graph) -> None:
+    """One `stack` for the gradient of a tensor read slice by slice, in place of a sum of
+    zero-padded slices.
+
+    Keras' recurrent layers on torch's CPU read their inputs one time step at a time
+    (`x[t]`), and autograd's gradient of `x[t]` is a zero tensor the size of all of `x` with the
+    slice written in (`select_backward`): T steps cost T full-size zero tensors and T - 1
+    full-size additions (an LSTM of 32 steps: two thirds of its step's time here). Where such
+    gradients, one per index of the whole dimension, are only summed with each other, the sum
+    is their `stack`: the same values (each element is one gradient plus zeros).
+    """
+    select_backward = torch.ops.aten.select_backward.default
+    add = torch.ops.aten.add.Tensor
+
+    def leaves(node, out):
+        """The select_backward leaves of an add-tree rooted at `node` (None if not one)."""
+        if node.target is select_backward:
+            out.append(node)
+            return out
+        if node.target is not add or node.kwargs or len(node.args) != 2:
+            return None
+        for arg in node.args:
+            if not isinstance(arg, torch.fx.Node):
+                return None
+            if arg.target is add and len(arg.users) != 1:
+                return None
+            if leaves(arg, out) is None:
+                return None
+        return out
+
+    for node in list(graph.nodes):
+        if node.target is not add or any(u.target is add for u in node.users):
+            continue  # not the root of an add-tree
+        found = leaves(node, [])
+        if not found:
+            continue
+        sizes, dim = list(found[0].args[1]), found[0].args[2]
+        if any(list(n.args[1]) != sizes or n.args[2] != dim for n in found):
+            continue
+        dim = dim % len(sizes)
+        by_index = {n.args[3] % sizes[dim]: n for n in found}
+        if len(by_index) != len(found) or sorted(by_index) != list(range(sizes[dim])):
+            continue
+        with graph.inserting_before(node):
+            stacked = graph.call_function(
+                torch.ops.aten.stack.default,
+                ([by_index[i].args[0] for i in range(sizes[dim])], dim),
+            )
+        stacked.meta = dict(node.meta)
+        node.replace_all_uses_with(stacked)
 
 
 def _writes(node) -> bool:

@@ -50,15 +50,28 @@ def raw_step(
     slices: int = 1,
     check: bool = False,
     sizes=(784, 1024, 1024, 10),
+    device: str | None = None,
+    compiled: bool = False,
 ) -> Callable[[], object]:
-    """One training step on the bare backend picked by KERAS_BACKEND (see module docstring)."""
+    """One training step on the bare backend picked by KERAS_BACKEND (see module docstring).
+
+    torch only: `device` places the weights and the batch (default the CPU; the call waits for
+    a CUDA device's work) and `compiled=True` runs the forward pass under `torch.compile`, as
+    the GPU kit's accelerate rows do.
+    """
     import keras
 
     backend = keras.backend.backend()
     if len(x) % slices:
         raise ValueError(f"`slices` ({slices}) must divide the batch ({len(x)}).")
-    build = {"tensorflow": _tensorflow, "jax": _jax, "torch": _torch}[backend]
-    run = build(x, y.astype("int32"), slices, check, _params(list(sizes)))
+    if (device is not None or compiled) and backend != "torch":
+        raise ValueError("`device` and `compiled` are for torch (TF and JAX place and compile).")
+    params = _params(list(sizes))
+    if backend == "torch":
+        run = _torch(x, y.astype("int32"), slices, check, params, device, compiled)
+    else:
+        build = {"tensorflow": _tensorflow, "jax": _jax}[backend]
+        run = build(x, y.astype("int32"), slices, check, params)
     for _ in range(3):  # trace / compile and warm up
         run()
     return run
@@ -187,14 +200,15 @@ def _jax(x, y, slices, check, params):
     return _jax_runner(step, params, x, y)
 
 
-def _torch(x, y, slices, check, params):
+def _torch(x, y, slices, check, params, device=None, compiled=False):
     import torch
 
     # Kernels stored (inputs, outputs) and applied as h @ w + b, as Keras' Dense does (and as
     # the TF and JAX floors do); torch.nn.Linear would store the transpose and call addmm.
-    ws = [torch.tensor(p, requires_grad=True) for p in params]
+    ws = [torch.tensor(p, requires_grad=True, device=device) for p in params]
     opt = torch.optim.Adam(ws, lr=LR, betas=(B1, B2), eps=EPS)
-    xs, ys = torch.from_numpy(x), torch.from_numpy(y).long()
+    xs, ys = torch.from_numpy(x).to(device), torch.from_numpy(y).long().to(device)
+    cuda = xs.device.type == "cuda"
     size = len(x) // slices
     loss_fn = torch.nn.CrossEntropyLoss()
 
@@ -205,6 +219,9 @@ def _torch(x, y, slices, check, params):
             if i + 2 < len(ws):
                 h = torch.relu(h)
         return h
+
+    if compiled:
+        forward = torch.compile(forward)
 
     def run():
         opt.zero_grad()
@@ -218,6 +235,8 @@ def _torch(x, y, slices, check, params):
                 opt.step()
         else:
             opt.step()
+        if cuda:
+            torch.cuda.synchronize()
 
     return run
 

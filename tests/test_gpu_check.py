@@ -82,8 +82,8 @@ def test_dry_run_gives_every_row_without_tensorflow_nor_the_other_backend(tmp_pa
     assert result["not_installed"] == [OTHER] and list(result["devices"]) == [BACKEND]
     rows = result["rows"]
     assert [r["id"] for r in rows] == gpu_check.expected_ids()
-    assert len(rows) == 27
-    assert [r["error"] for r in rows] == [None] * 27
+    assert len(rows) == 32
+    assert [r["error"] for r in rows] == [None] * 32
     assert all(r["dry_run"] and r["backend"] == BACKEND for r in rows)
     # Nothing optional was imported in any worker process (the blocker held, and nothing
     # needed TensorFlow: keras itself imports sklearn and matplotlib where installed).
@@ -91,7 +91,7 @@ def test_dry_run_gives_every_row_without_tensorflow_nor_the_other_backend(tmp_pa
     assert result["devices"][BACKEND]["device"] == "CPU"
     # One table, one line per row, each marked as a dry run.
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("| ")]
-    assert len(lines) == 1 + 27 and lines[0].startswith("| section | backend | case |")
+    assert len(lines) == 1 + 32 and lines[0].startswith("| section | backend | case |")
     assert all("dry-run" in ln and "ERROR" not in ln for ln in lines[1:])
     assert [ln for ln in md.read_text().splitlines() if ln.startswith("| ")] == lines
     by_id = {r["id"]: r for r in rows}
@@ -190,7 +190,7 @@ def test_script_refuses_tensorflow_and_unknown_sections():
     with pytest.raises(SystemExit, match="jax and/or torch"):
         gpu_check._parse_backends("tensorflow")
     with pytest.raises(SystemExit):
-        gpu_check.build_parser().parse_args(["--sections", "7"])
+        gpu_check.build_parser().parse_args(["--sections", "8"])
 
 
 def test_a_process_that_dies_leaves_an_error_in_each_of_its_rows():

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 BACKENDS = ("jax", "torch")
-SECTIONS = (1, 2, 3, 4, 5, 6)
+SECTIONS = (1, 2, 3, 4, 5, 6, 7)
 POLICIES = ("float32", "mixed_float16", "mixed_bfloat16")
 MICROBATCHES = (1, 2, 4, 8)
 MODELS = ("mlp", "convnet")
@@ -31,6 +31,8 @@ SIZES = {
         },
         "prune": {"inputs": 1024, "widths": (4096, 4096), "batch": 1024, "frequency": 10},
         "child_groups": [[1], [2], [4], [8]],  # JAX: one process per micro-batch setting
+        # kp.accelerate's data (batches of the section's batch size) and time budget
+        "accelerate": {"batches": 8, "max_seconds": 30},
         "diagnose": {
             "steps": 30,
             "max_seconds": 30,
@@ -71,6 +73,7 @@ SIZES = {
         "oom": {"inputs": 8, "width": 16, "batch": 32, "threshold": 8, "steps": 2},
         "distill": {"inputs": 16, "student": (16,), "teacher": (32, 32), "batch": 32},
         "prune": {"inputs": 16, "widths": (32, 32), "batch": 32, "frequency": 2},
+        "accelerate": {"batches": 4, "max_seconds": 1},
         # Two processes, not four: the child path runs, in seconds (no device peak on a CPU).
         "child_groups": [[1], [2, 4, 8]],
         "diagnose": {
@@ -120,6 +123,9 @@ def expected_ids(sections=SECTIONS, microbatches=MICROBATCHES) -> list[str]:
         elif s == 6:
             ids += [f"6/{m}/remat={r}" for m in REMAT_MODELS for r in REMAT_MODES]
             ids += ["6/oom_fixed_by_remat"]
+        elif s == 7:
+            ids += ["7/mlp/plain", "7/mlp/accelerate", "7/mlp/floor"]
+            ids += ["7/convnet/bf16/plain", "7/convnet/bf16/accelerate"]
     return ids
 
 
@@ -137,4 +143,10 @@ def _baseline(row_id: str) -> tuple[str, str] | None:
         return "4/distillation/plain_student", "step_ms"
     if row_id == "4/pruning/PruningCallback":
         return "4/pruning/plain", "step_ms"
+    if row_id == "7/mlp/accelerate":
+        return "7/mlp/plain", "examples_per_s"
+    if row_id == "7/mlp/floor":  # the bare framework's speed over fit's after accelerate
+        return "7/mlp/accelerate", "examples_per_s"
+    if row_id == "7/convnet/bf16/accelerate":
+        return "7/convnet/bf16/plain", "examples_per_s"
     return None

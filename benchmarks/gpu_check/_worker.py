@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+from ._accelerate import section_accelerate
 from ._common import Context, _error_text, _free_memory, _row
 from ._config import OPTIONAL, expected_ids
 from ._diagnose import section_diagnose
@@ -22,6 +23,7 @@ SECTION_RUNNERS = {
     4: section_distill_prune,
     5: section_diagnose,
     6: section_remat,
+    7: section_accelerate,
 }
 
 

@@ -646,7 +646,11 @@ def test_the_budget_holds_when_a_change_compiles_for_seconds(digits, monkeypatch
     wall = time.perf_counter() - t0
     # The overrun allowed: the last step past the deadline and the twin put back (3 % kept).
     assert wall - d.trace_seconds <= 4 + 1.0, (wall, d.trace_seconds, str(d))
-    assert any(n.startswith("jit_compile=True not measured") for n in d.notes), d.notes
+    # Where the compile fits in what is left it is measured (a 2-core Zen 4 machine, CI
+    # 2026-11-29), where it does not it is not started (the AVX2 machines): once, either way.
+    measured = [w for w in d.what_if if w["change"].startswith("jit_compile=True")]
+    skipped = [n for n in d.notes if n.startswith("jit_compile=True not measured")]
+    assert len(measured) + len(skipped) == 1, (d.what_if, d.notes)
 
 
 def test_tiny_steps_repeat_the_batches_in_memory_within_16x_and_256_mib():

@@ -9,8 +9,10 @@ Backend-neutral and on the ground floor of the package: it imports Keras only, n
 `keras_perf.backend` or anything above it (tests/test_imports.py checks that, and that no other
 module imports `keras.src` or reads `_keras_history`/`_inbound_nodes`/`_outbound_nodes`). It
 stays here rather than in `keras_perf/backend/` (decided for issue 42): `backend/` holds what
-differs per Keras backend, and nothing here does; the ground floor (`_utils`) and the shared
-train step (`train_step/_base.py`), which must not reach `backend/`, read it.
+differs per Keras backend, and nothing here does but one function, which is for the traced
+torch step alone (`torch_spatial_transposes_as_views`: it imports Keras' torch module when it
+is called, never at import); the ground floor (`_utils`) and the shared train step
+(`train_step/_base.py`), which must not reach `backend/`, read it.
 """
 
 from __future__ import annotations

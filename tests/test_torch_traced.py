@@ -262,6 +262,24 @@ def test_recurrent_layers_train_as_keras_fit_with_their_inputs_gradients_stacked
 
 @torch_only
 @pytest.mark.slow
+def test_a_sequence_longer_than_pythons_recursion_limit_keeps_the_traced_step():
+    # Regression: the pass that stacks the per-step gradients walked their sum recursively,
+    # and a 1,100-step LSTM fell back to Keras' step with a RecursionError.
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((1100, 2)), keras.layers.LSTM(3), keras.layers.Dense(2)])
+    model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    _traced().install_traced_step(model)
+    x = np.random.default_rng(0).normal(size=(8, 1100, 2)).astype("float32")
+    model.fit(x, np.zeros(8, "int32"), batch_size=8, verbose=0)
+    state = _traced().traced_step_state(model)
+    assert state["active"] and state["reason"] is None, state
+    ((graph, _),) = model.__dict__["_kp_traced_step"].cache.values()
+    targets = [node.target for node in graph.graph.nodes]
+    assert torch_ops().aten.select_backward.default not in targets
+
+
+@torch_only
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["lstm", "attention", "embedding"])
 def test_sequence_models_match_keras_fit(kind):
     L = keras.layers

@@ -504,26 +504,29 @@ def _stack_slice_gradients(graph) -> None:
     select_backward = torch.ops.aten.select_backward.default
     add = torch.ops.aten.add.Tensor
 
-    def leaves(node, out):
-        """The select_backward leaves of an add-tree rooted at `node` (None if not one)."""
-        if node.target is select_backward:
-            out.append(node)
-            return out
-        if node.target is not add or node.kwargs or len(node.args) != 2:
-            return None
-        for arg in node.args:
-            if not isinstance(arg, torch.fx.Node):
+    def leaves(root):
+        """The select_backward leaves of an add-tree rooted at `root` (None if not one).
+        A loop, not recursion: a sequence of thousands of steps is a chain that deep."""
+        out, todo = [], [root]
+        while todo:
+            node = todo.pop()
+            if node.target is select_backward:
+                out.append(node)
+                continue
+            if node.target is not add or node.kwargs or len(node.args) != 2:
                 return None
-            if arg.target is add and len(arg.users) != 1:
-                return None
-            if leaves(arg, out) is None:
-                return None
+            for arg in node.args:
+                if not isinstance(arg, torch.fx.Node):
+                    return None
+                if arg.target is add and len(arg.users) != 1:
+                    return None
+                todo.append(arg)
         return out
 
     for node in list(graph.nodes):
         if node.target is not add or any(u.target is add for u in node.users):
             continue  # not the root of an add-tree
-        found = leaves(node, [])
+        found = leaves(node)
         if not found:
             continue
         sizes, dim = list(found[0].args[1]), found[0].args[2]

@@ -1,6 +1,6 @@
 """Section 7: `kp.accelerate` on the device, against plain `fit` and the bare framework.
 
-Issue 40's GPU rows. The MLP (section 1's sizes, Adam): plain `fit`, `fit` after
+The MLP (section 1's sizes, Adam): plain `fit`, `fit` after
 `kp.accelerate`, and the bare floor (`benchmarks._floors.raw_step`: `jax.jit`, or torch eager
 and under `torch.compile`, the faster of the two, on the device). ResNet50 under
 `mixed_bfloat16`: plain `fit` and `fit` after `kp.accelerate` (where Keras' eager torch ran at
@@ -24,7 +24,7 @@ from ._common import (
     _sce,
     convnet,
     mlp,
-    timed_fit,
+    timed_row,
 )
 
 
@@ -86,26 +86,16 @@ def section_accelerate(ctx, rows: list) -> None:
     label = f"MLP {s['inputs']}-{s['depth']}x{s['width']}-{s['classes']}, Adam, batch {s['batch']}"
 
     def fit_row(row_id, case, make, data, accelerate, policy="float32"):
-        try:
-            keras.mixed_precision.set_global_policy(policy)
+        def build():
             model = make()
             note = _accelerated(ctx, model, data) if accelerate else "plain Keras fit"
-            r = timed_fit(ctx, model, data, steps)
-            rows.append(
-                _row(
-                    ctx,
-                    row_id,
-                    case,
-                    examples_per_s=r["examples_per_s"],
-                    step_ms=r["step_ms"],
-                    note=note,
-                )  # fmt: skip
-            )
-        except Exception as exc:  # one case failing leaves the others to run
-            rows.append(_row(ctx, row_id, case, error=_error_text(exc)))
+            return model, [], lambda m: note
+
+        keras.mixed_precision.set_global_policy(policy)
+        try:
+            timed_row(ctx, rows, row_id, case, build, data, steps)
         finally:
             keras.mixed_precision.set_global_policy("float32")
-            _free_memory()
 
     def make_mlp():
         keras.utils.set_random_seed(0)

@@ -185,6 +185,28 @@ def timed_fit(ctx, model, data, steps: int, callbacks=(), peak_flops=None) -> di
     }
 
 
+def timed_row(ctx, rows: list, row_id: str, case: str, make, data, steps: int) -> None:
+    """One row of `timed_fit`: `make()` returns (model, callbacks, note), `note(model)` read
+    after the fit; any failure becomes the row's error (one case failing leaves the others)."""
+    try:
+        model, callbacks, note = make()
+        r = timed_fit(ctx, model, data, steps, callbacks=callbacks)
+        rows.append(
+            _row(
+                ctx,
+                row_id,
+                case,
+                examples_per_s=r["examples_per_s"],
+                step_ms=r["step_ms"],
+                note=note(model),
+            )  # fmt: skip
+        )
+    except Exception as exc:
+        rows.append(_row(ctx, row_id, case, error=_error_text(exc)))
+    finally:
+        _free_memory()
+
+
 def _num(v) -> str:
     if v is None:
         return "-"

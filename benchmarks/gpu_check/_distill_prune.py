@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ._common import _batches, _error_text, _free_memory, _row, _sce, mlp, timed_fit
+from ._common import _batches, _sce, mlp, timed_row
 
 
 def section_distill_prune(ctx, rows: list) -> None:
@@ -17,23 +17,11 @@ def section_distill_prune(ctx, rows: list) -> None:
     teacher_shape = f"{d['inputs']}-{'-'.join(map(str, d['teacher']))}-10"
 
     def per_step(row_id, case, data, make, note=""):
-        try:
-            model, cbs, extra = make()
-            r = timed_fit(ctx, model, data, steps, callbacks=cbs)
-            rows.append(
-                _row(
-                    ctx,
-                    row_id,
-                    case,
-                    examples_per_s=r["examples_per_s"],
-                    step_ms=r["step_ms"],
-                    note=(note + extra(model)).strip("; "),
-                )
-            )
-        except Exception as exc:
-            rows.append(_row(ctx, row_id, case, error=_error_text(exc)))
-        finally:
-            _free_memory()
+        def build():
+            model, callbacks, extra = make()
+            return model, callbacks, lambda m: (note + extra(m)).strip("; ")
+
+        timed_row(ctx, rows, row_id, case, build, data, steps)
 
     def plain_student():
         s = mlp(d["inputs"], d["student"], 10, name="student")

@@ -8,7 +8,8 @@ memory (RSS, `/proc/self/statm`) after every call. The figure is the growth from
 call 20 (the first calls fill Keras', XLA's and the allocators' caches), in MiB, with the
 ratio RSS(20) / RSS(10). The user's model survives: no `keras.utils.clear_session()`.
 
-Each call is kept short (`diagnose`: 5 steps, `max_seconds=1`, no what-ifs unless `--what-if`;
+Each call is kept short (`diagnose`: 5 steps, `max_seconds=1`, a 1 GB memory limit so that
+it measures the same things on every call, no what-ifs unless `--what-if`;
 `find_learning_rate`: 10 steps; `find_max_batch_size`: one setting, a 64-example cap;
 `inference_report`: Keras' own format alone, batch 1, 3 repeats; `accelerate`: `max_seconds=1`,
 `apply=False`).
@@ -86,7 +87,15 @@ def one_call(tool: str, model, x, y, what_if: bool = False):
                 model, x, y, settings=("plain",), memory_limit_bytes=10**9, max_batch_size=64
             )
         elif tool == "diagnose":
-            kp.diagnose(model, x, y, batch_size=32, steps=5, max_seconds=1, what_if=what_if)
+            # A memory limit makes diagnose measure the step's peak on every call; without one
+            # it measures it only when that costs under a quarter of the budget, which on a
+            # slow machine can first happen mid-run: a one-off 3-5 MiB step read as growth
+            # (TensorFlow without the BFC allocator never measures it: no limit there).
+            from keras_perf.backend import step_memory_unavailable
+
+            limit = None if step_memory_unavailable() else 10**9
+            kp.diagnose(model, x, y, batch_size=32, steps=5, max_seconds=1, what_if=what_if,
+                        memory_limit_bytes=limit)  # fmt: skip
         elif tool == "inference_report":
             kp.inference_report(model, x[:64], y[:64], batch_sizes=(1,), formats=["keras"],
                                 repeats=3, pause=0.0)  # fmt: skip

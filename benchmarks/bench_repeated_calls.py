@@ -15,8 +15,8 @@ it measures the same things on every call, no what-ifs unless `--what-if`;
 `apply=False`).
 
 Run: `python -m benchmarks.bench_repeated_calls [--quick] [--tools a,b] [--calls N]
-[--json out.json]`. `--quick` runs 12 calls (the growth then from call 6 to 12), `--smoke` 2 (from call 1 to 2: the
-row's code path, no figure).
+[--json out.json]`. `--quick` runs 12 calls (the growth then from call 6 to 12), `--smoke`
+2 calls of one tool (from call 1 to 2: the row's code path, no figure).
 """
 
 from __future__ import annotations
@@ -134,13 +134,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     _harness.add_mode_flags(p)
     p.add_argument("--json", metavar="PATH")
-    p.add_argument("--tools", default=",".join(TOOLS))
+    p.add_argument("--tools", default=None, help="default: all; with --smoke, one (the "
+                   "rows' code path is the same for every tool; tests/test_repeated_calls.py "
+                   "runs each)")  # fmt: skip
     p.add_argument("--calls", type=int, default=None)
     p.add_argument("--what-if", action="store_true")
     args = _harness.resolve_modes(p.parse_args())
     calls = args.calls or (2 if args.smoke else 12 if args.quick else 20)
     rows = []
-    for tool in args.tools.split(","):
+    tools = args.tools or ("inference_report" if args.smoke else ",".join(TOOLS))
+    for tool in tools.split(","):
         try:
             m = measure(tool, calls, args.what_if)
         except ValueError as e:

@@ -373,6 +373,8 @@ def _confirm(base, winner, seconds) -> float:
         _measure.Entry(e.candidate, e.model, e.fit_kwargs, e.steps, e.epoch_steps, e.epoch_examples)
         for e in (base, winner)
     ]
+    for f, e in zip(fresh, (base, winner)):
+        f.epochs = e.epochs
     _measure.alternate(fresh, max(seconds, 0.0))
     return fresh[1].examples_per_s / fresh[0].examples_per_s
 

@@ -310,10 +310,10 @@ def test_accelerate_times_whole_epochs_of_the_users_fit(monkeypatch):
 
 
 def test_short_whole_epochs_are_timed_as_fits_of_three_epochs():
-    """A fit's first epoch costs more than the next (1-3 ms here): beside epochs of a few
-    milliseconds, 1-epoch fits counted it every epoch (torch dict-input model: a 2.2x gain
-    read as 1.9x). `fit_epochs` times such epochs 3 at a time; longer ones and windows of
-    steps stay 1-epoch fits."""
+    """A fit's first epoch costs more than the next (torch dict-input model: 1-2 ms beside
+    6-13 ms epochs): 1-epoch fits counted it every epoch and read a 2.10x gain as 1.80x.
+    `fit_epochs` times such epochs 3 at a time; longer ones and windows of steps stay 1-epoch
+    fits."""
     from types import SimpleNamespace
 
     from keras_perf.acceleration import _measure

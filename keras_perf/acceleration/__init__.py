@@ -275,6 +275,12 @@ def _run(model, source, max_seconds, exact, apply, notes):
             entries.append(e)
 
     _measure.alternate(entries, max_seconds * PHASE_ONE)
+    if base.epochs == _measure.EPOCHS_SHOWN:
+        notes.append(
+            f"epochs this short (under {_measure.SHORT_EPOCH_S:g} s) were timed in fits of "
+            f"{_measure.EPOCHS_SHOWN} epochs, as your fit runs them: a fit's first epoch costs "
+            "more than the next ones."
+        )
 
     # The pairs of single settings that each paid.
     base_eps = base.examples_per_s

@@ -8,9 +8,12 @@ the gain a real `fit` shows (TensorFlow MLP, 32-step epochs: 1.31x measured agai
 in 3-epoch fits; JAX: 2.57x against 1.30x).
 
 So each timed fit is split by a callback into its parts (`_Parts`): the fit's set-up (from the
-call to the epoch's start), the epoch (from its start to the call's return: the iterator, the
-steps, the epoch's end, the teardown) and, inside it, the steps (the first batch's start to the
-end of training).
+call to the epoch's start), the epoch (from its start to training's end: the iterator, the
+steps, the epoch's end) and, inside it, the steps (the first batch's start to the end of
+training). The fit's teardown after training's end is left out of every figure: on TensorFlow
+it is the tf.data iterator's, which at random waits about 0.2 s of wall (and no CPU) for its
+background threads, once per fit whatever the settings (a TF Transformer's 1-epoch fits took
+0.45 or 0.65 s, the same model and settings); counted, it made a 1.02x setting read as 1.46x.
 Where one epoch of the user's data has at most `MAX_STEPS` steps, every timed fit is whole
 epochs, exactly as the user's `fit` runs them (a short last batch included; the warm-up is a
 whole epoch too, so that its second trace is not timed). A longer epoch is timed in
@@ -71,8 +74,10 @@ class _Parts(keras.callbacks.Callback):
 def epoch_figure(t0, parts, end, steps, epoch_steps) -> float:
     """Seconds of one epoch of a fit of `EPOCHS_SHOWN` epochs, from one timed fit.
 
-    `t0`, `end`: the call's start and return; `parts`: its `_Parts`; `steps`: the steps the
-    fit ran (None: a whole epoch); `epoch_steps`: the steps of one epoch of the user's fit.
+    `t0`: the call's start; `end`: training's end (`timed_fit` passes `on_train_end`'s mark,
+    not the call's return: the module's docstring says why); `parts`: its `_Parts`; `steps`:
+    the steps the fit ran (None: a whole epoch); `epoch_steps`: the steps of one epoch of the
+    user's fit.
     """
     setup = parts.epoch_begin - t0
     epoch = end - parts.epoch_begin
@@ -131,7 +136,7 @@ def timed_fit(entry, steps=None) -> float:
         warnings.filterwarnings("ignore", message=".*`shuffle=True` was passed.*")
         t0 = time.perf_counter()
         entry.model.fit(**kw, epochs=epochs, verbose=0, callbacks=[parts])
-        end = time.perf_counter()
+    end = parts.train_end  # not the call's return: the teardown is left out (module docstring)
     if epochs == EPOCHS_SHOWN:
         return (end - t0) / EPOCHS_SHOWN  # what the user's fit of EPOCHS_SHOWN epochs shows
     return epoch_figure(t0, parts, end, steps, entry.epoch_steps)

@@ -59,7 +59,7 @@ class Acceleration:
     def __str__(self) -> str:
         head = (
             f"kp.accelerate ({self.backend}, batch {self.batch_size}, {self.steps} steps per "
-            f"timed fit): "
+            f"timed epoch): "
         )
         if self.chosen:
             verb = "applied" if self.applied else "would apply (apply=False)"

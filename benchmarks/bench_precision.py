@@ -18,7 +18,7 @@ On a CPU where `kp.precision_report()` measures bfloat16 matmuls below 0.05x flo
 the row.
 
     KERAS_BACKEND=tensorflow python -m benchmarks.bench_precision [--quick] [--json PATH]
-        [--models mlp,cnn,transformer,resnet50]
+        [--models mlp,cnn,transformer,resnet50] [--traced (torch)]
     # --quick alone: mlp,cnn (mlp alone on a CPU without bf16 units), 2 steps per epoch
 """
 
@@ -42,6 +42,12 @@ def _args():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_mode_flags(p)
     p.add_argument("--json", metavar="PATH", help="write the result rows as JSON to PATH")
+    p.add_argument(
+        "--traced",
+        action="store_true",
+        help="PyTorch: also time kp.loss_scaled(model, traced_step=True), keras-perf's traced "
+        "step (what kp.accelerate applies), against the floor and the eager step",
+    )
     p.add_argument(
         "--models",
         help=f"comma-separated subset of {','.join(MODELS)} (default: all; --quick: mlp,cnn, "
@@ -109,10 +115,11 @@ def _build(name: str, policy: str, smoke: bool = False):
     return model, rng.standard_normal((batch, *shape), dtype=np.float32), batch, rng
 
 
-def _epochs(name: str, steps: int, smoke: bool = False) -> dict:
+def _epochs(name: str, steps: int, smoke: bool = False, traced: bool = False) -> dict:
     """One-epoch callables `{(variant, policy): fn}`, each warmed up: "keras" (plain `fit`),
-    "loss_scaled" (`fit` of `kp.loss_scaled(model)`) and "floor" (the same model's step on
-    the bare framework, `steps` calls), under float32 and mixed_bfloat16."""
+    "loss_scaled" (`fit` of `kp.loss_scaled(model)`), with `traced` "traced" (the same with
+    `traced_step=True`) and "floor" (the same model's step on the bare framework, `steps`
+    calls), under float32 and mixed_bfloat16."""
     import keras
 
     import keras_perf as kp
@@ -121,10 +128,10 @@ def _epochs(name: str, steps: int, smoke: bool = False) -> dict:
 
     fns = {}
     for policy in ("float32", "mixed_bfloat16"):
-        for variant in ("keras", "loss_scaled"):
+        for variant in ("keras", "loss_scaled", "traced")[: 3 if traced else 2]:
             model, x1, batch, rng = _build(name, policy, smoke)
-            if variant == "loss_scaled":
-                model = kp.loss_scaled(model)
+            if variant != "keras":
+                model = kp.loss_scaled(model, traced_step=variant == "traced")
             x = np.concatenate([x1] * steps)
             y = rng.integers(0, 10, len(x))
 
@@ -147,6 +154,8 @@ def _epochs(name: str, steps: int, smoke: bool = False) -> dict:
 
 def main() -> None:
     args = _args()
+    import keras
+
     import keras_perf as kp
 
     # --smoke (CI): one step per epoch at an eighth of the batch (MLP 64 rows): the same rows.
@@ -168,13 +177,17 @@ def main() -> None:
             )
         )
         models = []
+    traced = args.traced and keras.backend.backend() == "torch"
     for name in models:
-        fns = _epochs(name, steps, args.smoke)
-        for variant, claim in (
+        fns = _epochs(name, steps, args.smoke, traced)
+        variants = [
             ("keras", "fit epoch"),
             ("loss_scaled", "kp.loss_scaled fit epoch"),
             ("floor", "  bare-framework floor, same steps"),
-        ):
+        ]
+        if traced:
+            variants.insert(2, ("traced", "kp.loss_scaled(traced_step=True) fit epoch"))
+        for variant, claim in variants:
             result = abba(fns[variant, "mixed_bfloat16"], fns[variant, "float32"], repeats)
             if variant == "keras":
                 ratios[name] = result["cpu_ratio"]
@@ -184,8 +197,17 @@ def main() -> None:
         result = abba(fns["floor", "mixed_bfloat16"], fns["loss_scaled", "mixed_bfloat16"], repeats)
         rows.append(row(f"  kp.loss_scaled / floor time, both mixed_bfloat16: {name}", result,
                         "<= 1.10 (torch)", note="our step against the bare framework's"))  # fmt: skip
+        if traced:
+            result = abba(fns["floor", "mixed_bfloat16"], fns["traced", "mixed_bfloat16"], repeats)
+            rows.append(row(f"  traced step / floor time, both mixed_bfloat16: {name}", result,
+                            "<= 1.10 (torch)", note="kp.accelerate's torch step"))  # fmt: skip
+            result = abba(fns["traced", "mixed_bfloat16"], fns["loss_scaled", "mixed_bfloat16"],
+                          repeats)  # fmt: skip
+            rows.append(row(f"  eager / traced step time, both mixed_bfloat16: {name}", result,
+                            "(figure)", note="above 1: the traced step is faster"))  # fmt: skip
         del fns
-        for r in rows[-4:]:  # as it goes: a model can take long where bfloat16 is emulated
+        # As it goes: a model can take long where bfloat16 is emulated.
+        for r in rows[-(len(variants) + 1 + 2 * traced) :]:
             print(f"{r['claim']:<60} cpu {r['cpu_ratio']} wall {r['wall_ratio']}", flush=True)
     slowest = min(ratios, key=ratios.get) if ratios else None
     auto_ratio = ratios[slowest] if auto == "mixed_bfloat16" and slowest else 1.0

@@ -339,7 +339,7 @@ def test_the_fits_teardown_after_training_is_not_counted():
     assert 0.02 <= figure < 0.15
 
 
-def test_short_whole_epochs_are_timed_as_fits_of_three_epochs():
+def test_short_whole_epochs_are_timed_as_fits_of_three_epochs(monkeypatch):
     """A fit's first epoch costs more than the next (torch dict-input model: 1-2 ms beside
     6-13 ms epochs): 1-epoch fits counted it every epoch and read a 2.10x gain as 1.80x.
     `fit_epochs` times such epochs 3 at a time; longer ones and windows of steps stay 1-epoch
@@ -365,12 +365,8 @@ def test_short_whole_epochs_are_timed_as_fits_of_three_epochs():
         timed.append((entry.candidate, entry.epochs))
         return 0.01
 
-    real = _measure.timed_fit
-    _measure.timed_fit = fake
-    try:
-        _measure.alternate(e, 0.0)
-    finally:
-        _measure.timed_fit = real
+    monkeypatch.setattr(_measure, "timed_fit", fake)
+    _measure.alternate(e, 0.0)
     assert {t[1] for t in timed} == {3} and len(timed) == 2 * _measure.MIN_ROUNDS
 
 

@@ -66,10 +66,7 @@ def test_stubs_let_the_whole_run_pass(tmp_path):
     # tests alone in one process after it:
     # TensorFlow's default tier is the README's command, JAX's and PyTorch's share a session
     # with their slow tier (less the TF-only cases).
-    k = (
-        "-k not resnet50 and not efficientnet and not pairs_of_pieces and not "
-        "digits_suggestion and not test_doctests"
-    )
+    k = "-k not resnet50 and not efficientnet and not pairs_of_pieces and not test_doctests"
     assert [ln for ln in log if "-m pytest" in ln] == [
         "python -m pytest [tensorflow]",
         f"python -m pytest -m not timing and not heavy {k} [jax]",

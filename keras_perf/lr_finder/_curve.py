@@ -53,10 +53,9 @@ def steepest_descent(lrs, losses, skip_begin: int = 10, skip_end: int = 1) -> in
     The points `skip_begin:len - skip_end` are kept, the non-finite among them dropped, and
     `np.gradient(losses, log(lrs))` (central differences, one-sided at the ends) is minimised
     over the kept points up to the one with the lowest loss (all of them where that is the
-    first). On a geometric grid the log
-    spacing is constant, so the index is the same as that of `np.gradient(losses).argmin()`,
-    the rule of pytorch_lightning's `suggestion()` before it took the spacing into account,
-    wherever that descent comes before the lowest loss. A descent after it is the loss
+    first). On a geometric grid the log spacing is constant, so the index is the same as that
+    of `np.gradient(losses).argmin()`, the rule of pytorch_lightning's `suggestion()` before
+    it took the spacing into account, wherever that descent comes before the lowest loss. A descent after it is the loss
     falling back from a divergence the run did not stop at (it stops at 4x the lowest): on
     digits (torch, seed 1) the loss rose from 1.5 to 5.2 and dipped to 5.0 at 3.3, which
     Lightning's rule suggested and which trains to 10 % accuracy. None when fewer than 2

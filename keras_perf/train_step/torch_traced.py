@@ -454,6 +454,8 @@ class _SplitStep:
         outs = list(self.gradients(*values, *flat))
         finite = bool(outs[0])  # on a CPU the values are there: no device to wait for
         if not finite:  # the sum of squares overflowed, or a gradient is not finite
+            # The gradients are clipped already: a factor of 0 or more keeps finite values
+            # finite, and a non-finite factor comes only from a non-finite gradient.
             grads = outs[2 : 2 + sum(self.present)]
             outs[0] = torch.stack([torch.isfinite(g).all() for g in grads]).all()
             finite = bool(outs[0])
@@ -573,7 +575,7 @@ def _kp_update(model, variables, state, after_fwd, grads, n_tv, batch, finite=No
         grads, finite, norm = _kp_gradients(model, grads)
     opt_vars = {id(v) for v in model.optimizer.variables}
     if finite_known is False:  # the skip: nothing of the update is kept
-        applied = work = list(after_fwd)
+        applied = list(after_fwd)
     else:
         # The optimizer writes in place: a step that may be skipped gives it copies, so the
         # old values stay for `torch.where` to pick.

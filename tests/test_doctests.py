@@ -31,10 +31,11 @@ BACKEND_ONLY = {
     for package in ("backend", "train_step")
     for backend in ("jax", "tensorflow", "torch")
 }
-BACKEND_ONLY["keras_perf.train_step.torch_traced"] = (
-    ("torch",),
-    "the PyTorch backend's traced step",
-)
+for _module in ("torch_traced", "_torch_kp_step"):
+    BACKEND_ONLY[f"keras_perf.train_step.{_module}"] = (
+        ("torch",),
+        "the PyTorch backend's traced step",
+    )
 # On TensorFlow, `find_max_batch_size` with a memory cap on a CPU needs the BFC allocator, set
 # before TensorFlow is imported: tests/test_find_max_batch_size.py runs it in a child process.
 BACKEND_ONLY["keras_perf.oom._batch_size"] = (

@@ -344,6 +344,50 @@ def test_a_model_with_control_flow_on_values_falls_back_with_the_reason():
     _same(h1, h2, plain, traced)  # Keras' own step trained it
 
 
+class _OwnStep(keras.Sequential):
+    """A model whose class overrides `train_step` (an extra log, a count of its calls)."""
+
+    calls = 0
+
+    def train_step(self, data):
+        type(self).calls += 1
+        logs = super().train_step(data)
+        logs["extra"] = keras.ops.ones(())
+        return logs
+
+
+@torch_only
+def test_a_model_overriding_train_step_keeps_its_own_step_and_says_why():
+    # The traced step traces Keras' own step: an override would silently not run (its logs,
+    # its side effects). It is refused before any tracing, and the override trains the model.
+    def make():
+        return _OwnStep([keras.Input((6,)), keras.layers.Dense(8), keras.layers.Dense(3)])
+
+    x, y = _data((6,))
+    model = _compiled(make)
+    reason = _traced().traced_step_unsupported(model)
+    assert reason is not None and "_OwnStep overrides train_step" in reason
+    _traced().install_traced_step(model)
+    _OwnStep.calls = 0
+    with pytest.warns(kp.KerasPerfWarning, match="_OwnStep overrides train_step"):
+        h = model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0).history
+    assert "extra" in h and _OwnStep.calls == -(-len(x) // BATCH)
+    assert not _traced().traced_step_state(model)["active"]
+
+
+@torch_only
+def test_an_optimizer_branching_on_the_step_count_falls_back_with_a_reason_that_says_so():
+    # torch's data-dependent guard carries no message: the reason says what it means.
+    x, y = _data((6,))
+    opt = keras.optimizers.Adam(gradient_accumulation_steps=2)
+    model = _compiled(_mlp, optimizer=opt)
+    _traced().install_traced_step(model)
+    with pytest.warns(kp.KerasPerfWarning, match="tracing the step failed"):
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0)
+    reason = _traced().traced_step_state(model)["reason"]
+    assert "gradient_accumulation_steps" in reason and not reason.endswith(": )")
+
+
 @torch_only
 def test_unseeded_dropout_draws_from_torch_and_matches_keras_fit_under_the_same_seed():
     # Keras' unseeded Dropout calls torch's own dropout (torch's global generator); the
@@ -489,8 +533,9 @@ def test_loss_scaled_traced_step_skips_a_non_finite_step_as_the_eager_step(
 ):
     """Both forms of the skip: on a CPU the host checks the gradients between two graphs; the
     one-graph form (GPUs: no host synchronisation) selects with `torch.where`. A skipped step
-    keeps the weights, the Adam slots, iterations and BatchNormalization's moving statistics,
-    as keras-perf's eager step does. An input of 1e21 gives finite gradients whose sum of
+    keeps the weights, the Adam slots, iterations, BatchNormalization's moving statistics and
+    the compiled metrics (the batch is left out of the epoch's accuracy), as keras-perf's eager
+    step does. An input of 1e21 gives finite gradients whose sum of
     squares overflows: not skipped (each gradient is checked), as in the eager step."""
     if one_graph:
         monkeypatch.setattr(_traced(), "SPLIT_DEVICES", frozenset())
@@ -500,11 +545,17 @@ def test_loss_scaled_traced_step_skips_a_non_finite_step_as_the_eager_step(
     for traced in (False, True):
         keras.utils.set_random_seed(1)
         model = kp.loss_scaled(_cnn_free_mlp(batchnorm), clipnorm=1.0, traced_step=traced)
-        model.compile("adam", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.compile(
+            "adam",
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
         h = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history
         runs.append((h, model))
     (h1, m1), (h2, m2) = runs
     assert h1["skipped_steps"] == h2["skipped_steps"] == [skipped]
+    # The compiled metrics leave a skipped batch out, as the loss does.
+    assert h2["accuracy"] == pytest.approx(h1["accuracy"], abs=1e-7)
     assert skipped or h1["grad_norm"] == h2["grad_norm"] == [np.inf]
     _same(h1, h2, m1, m2)
     assert _traced().traced_step_state(m2)["active"]

@@ -176,11 +176,20 @@ def _kp_update(model, variables, state, after_fwd, grads, n_tv, batch, finite=No
             new.append(keep)
         else:
             new.append(fwd)
-    # Metrics and logs, in a scope holding the chosen values.
-    with keras.StatelessScope(state_mapping=list(zip(variables, new))) as met:
-        with training_step():
-            with metric_results_deferred():
-                model.compute_metrics(x, y, _detached(y_pred), sample_weight)
+    # The compiled metrics take the batch unless the step is skipped, as in the eager step
+    # (whose snapshot puts them back); with the skip unknown, the old values are selected.
+    with training_step():
+        if finite_known is not False:
+            with keras.StatelessScope(state_mapping=list(zip(variables, new))) as met:
+                with metric_results_deferred():
+                    model.compute_metrics(x, y, _detached(y_pred), sample_weight)
+            counted = [met.get_current_value(v) for v in variables]
+            new = [n if c is None else c for n, c in zip(new, counted)]
+            if finite_known is None:
+                new = [torch.where(finite, n, old) if restore_metric.get(id(v)) else n
+                       for v, n, old in zip(variables, new, state)]  # fmt: skip
+        # grad_norm and skipped_steps count every step, skipped or not; then the logs.
+        with keras.StatelessScope(state_mapping=list(zip(variables, new))) as met:
             model._kp_update_step_metrics(norm, finite)
             logs = model.get_metrics_result()
     final = [met.get_current_value(v) for v in variables]

@@ -25,8 +25,11 @@ bit for bit where the same kernels run (tests compare within 1e-5).
 Tracing with fake tensors refuses what a graph cannot hold: Python control flow on a tensor's
 value (`if ops.sum(x) > 0`), `.item()`/`.numpy()` in `call`, a float16 `LossScaleOptimizer`
 (it branches on finiteness in Python), a seeded Dropout or other seeded random layer (Keras'
-torch RNG seeds a `torch.Generator` from the seed tensor's value). Such a model keeps Keras'
-own step (or keras-perf's), `traced_step_state(model)["reason"]` says why, and one
+torch RNG seeds a `torch.Generator` from the seed tensor's value), an optimizer option that
+branches on the step count (`gradient_accumulation_steps`, an EMA overwritten every N steps).
+A model whose class overrides `train_step` is refused before any tracing: the traced step is
+Keras' own step, and the override would silently not run. Such a model keeps its own step
+(Keras' or keras-perf's), `traced_step_state(model)["reason"]` says why, and one
 `keras_perf.KerasPerfWarning` is given. An unseeded Dropout traces: it calls torch's own
 dropout, which draws from torch's global generator when the graph runs (the same masks as
 Keras' eager step under the same seed).
@@ -383,8 +386,18 @@ class _TracedStep:
 
 
 def _first_line(e) -> str:
-    text = str(e).strip().splitlines()
-    return text[0][:200] if text else ""
+    """The first non-empty line of what `e` says, or what its kind means where it says nothing
+    (torch's data-dependent guard often has no message)."""
+    text = [line.strip() for line in str(e).splitlines() if line.strip()]
+    if text:
+        return text[0][:200]
+    if "DataDependent" in type(e).__name__:
+        return (
+            "the step branches on a computed tensor's value: Python control flow on a value, "
+            "a seeded random layer, or an optimizer option that branches on the step count "
+            "(gradient_accumulation_steps, an EMA overwritten every N steps)"
+        )
+    return "no message"
 
 
 def _state_variables(model):
@@ -406,7 +419,8 @@ def _state_variables(model):
 
 def traced_step_unsupported(model: keras.Model) -> str | None:
     """Why keras-perf's traced step would fall back on `model` as it is set up now (known
-    before any step: float16 loss scaling, `microbatches > 1`, `remat`), or None. What only
+    before any step: a `train_step` of the model's own class, float16 loss scaling,
+    `microbatches > 1`, `remat`), or None. What only
     tracing finds out (Python control flow on tensor values) shows at the first step.
 
     Args:
@@ -422,7 +436,21 @@ def traced_step_unsupported(model: keras.Model) -> str | None:
     return None
 
 
+def _own_train_step(model) -> str | None:
+    """The class that overrides Keras' (or keras-perf's) `train_step` on `model`, or None."""
+    owner = next(c for c in type(model).__mro__ if "train_step" in vars(c))
+    if owner.__module__.startswith(("keras.src.", "keras_perf.train_step.")):
+        return None
+    return owner.__qualname__
+
+
 def _check_supported(model):
+    owner = _own_train_step(model)
+    if owner is not None:
+        raise _Fallback(
+            f"{owner} overrides train_step, which the traced step would not run (it traces "
+            "Keras' own step: the forward pass, the loss, the optimizer and the metrics)"
+        )
     if isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer):
         raise _Fallback(
             "a LossScaleOptimizer (float16 loss scaling) decides in Python whether the "

@@ -58,10 +58,28 @@ def _fresh(obj):
     return obj
 
 
-def make_twin(model):
+def unbuilt_start(model, x_batch):
+    """For a model not built yet (a Sequential without an `Input`, a subclassed model never
+    called): `(x_batch, weights)`, the weights of a clone built on `x_batch`, for every twin
+    to start from (`make_twin(model, start)`); None for a built model, or one Keras cannot
+    clone. Without it each twin would draw weights of its own at its first fit, and twins
+    that start apart cannot be compared for exactness."""
+    if getattr(model, "built", True):
+        return None
+    with _backend.model_scope(model):
+        try:
+            clone = keras.models.clone_model(model)
+            clone(x_batch)
+        except Exception:  # noqa: BLE001 - what Keras cannot clone is said by make_twin
+            return None
+        return x_batch, clone.get_weights()
+
+
+def make_twin(model, start=None):
     """A compiled twin of `model` with its weights and its keras-perf train-step settings
     (`microbatches`, `remat`, ...: `keras.models.clone_model` builds the step with the
-    defaults), or None when Keras cannot clone it."""
+    defaults), or None when Keras cannot clone it. `start` (from `unbuilt_start`): the twin
+    of a model not built yet is built on its batch and given its weights."""
     args = compile_args(model)
     with _backend.model_scope(model):
         try:
@@ -69,7 +87,9 @@ def make_twin(model):
         except Exception:  # subclassed without get_config, custom layers, ...
             return None
         try:
-            twin.set_weights(model.get_weights())
+            if start is not None:
+                twin(start[0])
+            twin.set_weights(model.get_weights() if start is None else start[1])
         except ValueError:
             return None
         twin = keep_train_step(model, twin)
@@ -77,10 +97,10 @@ def make_twin(model):
     return twin
 
 
-def policy_twin(model, policy):
-    """A twin of `model` whose layers run under the dtype `policy`, with its weights and its
-    keras-perf train-step settings (not compiled). Raises whatever Keras raises when it cannot
-    clone the model."""
+def policy_twin(model, policy, start=None):
+    """A twin of `model` whose layers run under the dtype `policy`, with its weights (or
+    `start`'s, as `make_twin`) and its keras-perf train-step settings (not compiled). Raises
+    whatever Keras raises when it cannot clone the model."""
     previous = keras.mixed_precision.global_policy()
     try:
         keras.mixed_precision.set_global_policy(policy)
@@ -93,7 +113,9 @@ def policy_twin(model, policy):
 
         with _backend.model_scope(model):
             twin = keras.models.clone_model(model, clone_function=clone)
-            twin.set_weights(model.get_weights())
+            if start is not None:
+                twin(start[0])
+            twin.set_weights(model.get_weights() if start is None else start[1])
             twin = keep_train_step(model, twin)
     finally:
         keras.mixed_precision.set_global_policy(previous)

@@ -42,6 +42,7 @@ class _Context:
         self.steps = steps
         self.examples = examples
         self.epoch_steps = epoch_steps  # steps of one epoch of the user's fit (None: unknown)
+        self.start = None  # a model not built yet: the batch and weights every twin starts from
 
     def epoch(self, batch_size):
         """(steps, examples) of one epoch of the user's fit at `batch_size`; where the epoch's
@@ -227,6 +228,15 @@ def _run(model, source, max_seconds, exact, apply, notes):
     steps = min(MAX_STEPS, per_epoch) if per_epoch else MAX_STEPS
     epoch_steps = _measure.epoch_steps_of(examples, B) if examples is not None else per_epoch
     ctx = _Context(model, source, B, steps, examples, max_seconds, epoch_steps)
+    exactness_data = _exactness_data(source, B)
+    if exactness_data is not None:
+        first = keras.tree.map_structure(lambda a: a[:B], exactness_data[0])
+        ctx.start = _dmeasure.unbuilt_start(model, first)
+        if ctx.start is not None:
+            notes.append(
+                "the model is not built yet: its twins start from one set of weights drawn for "
+                "them (your fit draws its own at its first step)."
+            )
     if epoch_steps is not None and epoch_steps <= MAX_STEPS:
         notes.append(
             f"timed whole epochs of {epoch_steps} steps, as your fit runs them; each figure "
@@ -246,10 +256,10 @@ def _run(model, source, max_seconds, exact, apply, notes):
     notes.extend(offer_notes)
 
     rows = []
-    checker = _Exactness(ctx, _exactness_data(source, B), B, notes)
+    checker = _Exactness(ctx, exactness_data, B, notes)
     checks = {}
     base = _entry(ctx, _candidates.baseline(ctx), fit_kwargs, rows, checker, checks)
-    if base is None and _dmeasure.make_twin(model) is None:
+    if base is None and _dmeasure.make_twin(model, ctx.start) is None:
         notes.append(
             "Keras could not clone this model (give it a get_config): nothing was measured, "
             "as accelerate never trains the model itself; nothing changed."

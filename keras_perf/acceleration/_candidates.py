@@ -53,7 +53,7 @@ def recompiled_twin(ctx, **changes):
     """
 
     def make():
-        twin = make_twin(ctx.model)
+        twin = make_twin(ctx.model, ctx.start)
         if twin is None:
             raise Unavailable("Keras could not clone this model")
         if changes:
@@ -233,7 +233,7 @@ def _mixed_precision(ctx, notes):
 
     def make(policy=policy):
         try:
-            twin = policy_twin(ctx.model, policy)
+            twin = policy_twin(ctx.model, policy, ctx.start)
         except Exception as e:  # noqa: BLE001 - any clone failure: not measurable
             raise Unavailable(f"Keras could not clone this model ({e})") from e
         previous = keras.mixed_precision.global_policy()

@@ -960,3 +960,78 @@ def test_the_next_fit_after_apply_equals_a_plain_fit(family):
     ok, diff = _exact.compare(b, a, (x, y, None), 16, skip)
     # TF: XLA's convolution rounds otherwise; 8 Adam steps grow it to a few 1e-6 at most.
     assert ok or (BACKEND == "tensorflow" and family == "cnn_bn" and diff < 1e-5), diff
+
+
+# -- callbacks that act per batch keep steps_per_execution off --------------------------------
+
+
+class _WarmUp(keras.callbacks.Callback):
+    """A learning rate set before each batch: with steps_per_execution=N it would be set every
+    N steps."""
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.model.optimizer.learning_rate = 1e-3 * min(1.0, (batch + 1) / 8)
+
+
+def test_callbacks_that_may_act_per_batch_are_told_from_those_that_watch(tmp_path):
+    from keras_perf.acceleration import _callbacks
+
+    watching = [
+        keras.callbacks.TerminateOnNaN(),
+        keras.callbacks.ModelCheckpoint(str(tmp_path / "m.keras"), save_freq=3),
+        keras.callbacks.TensorBoard(str(tmp_path / "tb"), update_freq="batch"),
+        keras.callbacks.EarlyStopping(),  # epoch-level only
+        keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr),  # epoch-level only
+        kp.TrainingMonitor(),
+        kp.PruningCallback(kp.ConstantSparsity(0.5)),
+    ]
+    assert _callbacks.per_batch(watching) == []
+    acting = [
+        _WarmUp(),
+        keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: None),
+    ]
+    assert _callbacks.per_batch(watching + acting) == ["_WarmUp", "LambdaCallback"]
+    assert _callbacks.per_batch(_callbacks.check_callbacks(_WarmUp())) == ["_WarmUp"]
+
+
+@pytest.mark.parametrize("callbacks", ["cb", [object()], (keras.callbacks.History(), 3)])
+def test_callbacks_of_the_wrong_type_are_refused(callbacks):
+    model = _mlp()
+    x, y = _data(64)
+    with pytest.raises(TypeError, match="accelerate: .*`callbacks`"):
+        kp.accelerate(model, x, y, callbacks=callbacks)
+
+
+@pytest.mark.slow  # a few seconds: every candidate compiled once
+@pytest.mark.backends("tensorflow", "jax")
+@pytest.mark.parametrize("kind", ["none", "watching", "warm-up"])
+def test_steps_per_execution_is_kept_off_where_a_callback_acts_per_batch(monkeypatch, kind):
+    # With steps_per_execution=N Keras calls batch-level callback methods once per N steps: a
+    # warm-up that sets the learning rate before each batch would set it every N steps.
+    import keras_perf.acceleration as acceleration
+    from keras_perf.acceleration import _measure
+
+    def fake_alternate(entries, seconds):  # the selection rounds: steps_per_execution=4 2x
+        for e in entries:
+            fast = e.candidate.settings == {"steps_per_execution": 4}
+            e.seconds.extend([0.5 if fast else 1.0] * 3)
+
+    monkeypatch.setattr(_measure, "alternate", fake_alternate)
+    monkeypatch.setattr(acceleration, "_confirm", lambda base, winner, seconds: 1.3)
+    callbacks = {
+        "none": None,
+        "watching": [keras.callbacks.TerminateOnNaN(), kp.TrainingMonitor()],
+        "warm-up": [keras.callbacks.TerminateOnNaN(), _WarmUp()],
+    }[kind]
+    model = _mlp()
+    x, y = _data(256)
+    r = kp.accelerate(model, x, y, batch_size=32, max_seconds=1, callbacks=callbacks)
+    row = next(row for row in r.rows if row["settings"] == {"steps_per_execution": 4})
+    if kind == "warm-up":
+        assert r.chosen == {} and model.steps_per_execution == 1 and not row["chosen"]
+        assert "not applied: with steps_per_execution=4" in row["note"]
+        assert "_WarmUp may act per batch" in row["note"]
+    else:
+        assert r.chosen == {"steps_per_execution": 4} and model.steps_per_execution == 4
+        said = any("once per 4 steps" in note for note in r.notes)
+        assert said == (kind == "none")

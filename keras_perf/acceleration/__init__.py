@@ -18,7 +18,7 @@ from keras_perf import backend as _backend
 from keras_perf._inputs import check_fit_data, check_no_ignored_settings
 from keras_perf._inputs import sources as _data
 from keras_perf._utils import KerasPerfWarning, check_bool, check_int, check_number
-from keras_perf.acceleration import _apply, _candidates, _exact, _measure
+from keras_perf.acceleration import _apply, _callbacks, _candidates, _exact, _measure
 from keras_perf.acceleration._report import Acceleration
 
 __all__ = ["Acceleration", "accelerate"]
@@ -109,7 +109,9 @@ def _exactness_data(source, batch_size):
 
 
 @_backend.traced_graphs_released()
-def accelerate(model, x, y=None, batch_size=None, *, max_seconds=60, exact=True, apply=True):
+def accelerate(
+    model, x, y=None, batch_size=None, *, max_seconds=60, exact=True, apply=True, callbacks=None
+):
     """Measure the execution settings that apply to this backend, apply the fastest exact one.
 
     Every candidate (TensorFlow: `jit_compile` on/off, `steps_per_execution` 4/16/64 and the
@@ -135,6 +137,13 @@ def accelerate(model, x, y=None, batch_size=None, *, max_seconds=60, exact=True,
             compilation of each candidate's train function. Defaults to `60`.
         exact: Only exact candidates may be chosen. Defaults to `True`.
         apply: Set the chosen settings on `model`. Defaults to `True` (`False`: measure only).
+        callbacks: The callbacks you will pass to `fit`. With `steps_per_execution=N` Keras
+            calls callbacks' batch-level methods once per N steps; where one of these may act
+            per batch (a learning-rate warm-up set before each batch), `steps_per_execution` is
+            measured but not applied. Keras' own watching callbacks (progress bar, History,
+            TensorBoard, checkpoints, `TerminateOnNaN`, `CSVLogger`) and keras-perf's do
+            not count. Defaults to `None` (none known: the report notes it when
+            `steps_per_execution` is applied).
 
     Returns:
         An `Acceleration`: `chosen`, `speedup`, `rows`, `to_dict()`; `print` it for a table.
@@ -142,7 +151,7 @@ def accelerate(model, x, y=None, batch_size=None, *, max_seconds=60, exact=True,
     Raises:
         ValueError: An uncompiled model, `max_seconds <= 0`, `batch_size < 1`, or data `fit`
             rejects (before anything is measured; `model` untouched).
-        TypeError: Arguments of the wrong type.
+        TypeError: Arguments of the wrong type (`callbacks` not a list of Keras callbacks).
 
     Example:
 
@@ -157,12 +166,14 @@ def accelerate(model, x, y=None, batch_size=None, *, max_seconds=60, exact=True,
     ```
     """
     _check(model, batch_size, max_seconds, exact, apply)
+    known = _callbacks.check_callbacks(callbacks)
+    per_batch = None if callbacks is None else _callbacks.per_batch(known)
     check_no_ignored_settings("accelerate", model)
     check_fit_data("accelerate", model, x)
     source, notes = _source(model, x, y, batch_size)
     rng = _dmeasure.RandomState()
     try:
-        return _run(model, source, float(max_seconds), exact, apply, notes)
+        return _run(model, source, float(max_seconds), exact, apply, notes, per_batch)
     finally:
         rng.restore()
 
@@ -214,7 +225,9 @@ def _row(candidate, eps, exact_ok, diff, note=None, speedup=None):
     }
 
 
-def _run(model, source, max_seconds, exact, apply, notes):
+def _run(model, source, max_seconds, exact, apply, notes, per_batch=None):
+    """`per_batch`: the names of the user's callbacks that may act per batch (None: the
+    callbacks are not known)."""
     t_start = time.perf_counter()
     B = _batch_size(source)
     if source.kind == "arrays":
@@ -330,6 +343,7 @@ def _run(model, source, max_seconds, exact, apply, notes):
         and e.candidate.exact_lever
         and (r["exact"] is True or not exact)
         and r["speedup"] > 1 + NOISE
+        and not _held_by_callbacks(e, model, per_batch)
     ]
     if eligible:
         _, chosen_row = max(eligible, key=lambda er: er[1]["examples_per_s"])
@@ -350,6 +364,7 @@ def _run(model, source, max_seconds, exact, apply, notes):
             chosen_row["unconfirmed"] = True
             chosen, chosen_row = {}, None
 
+    base_spe = int(getattr(model, "steps_per_execution", 1) or 1)  # before it is applied
     applied = False
     if chosen and apply:
         try:
@@ -363,9 +378,25 @@ def _run(model, source, max_seconds, exact, apply, notes):
         if r.pop("unconfirmed", False):
             continue
         r["note"] = _why(e, r, base, chosen_row, exact, apply, best_eps)
+        if (
+            e is not base
+            and r is not chosen_row
+            and e.candidate.exact_lever
+            and not (r["exact"] is False and exact)
+            and r["speedup"] > 1 + NOISE
+            and _held_by_callbacks(e, model, per_batch)
+        ):
+            r["note"] = _callbacks_note(e, r, per_batch)
         if r is chosen_row:
             r["chosen"] = True
             r["note"] += f" (confirmed in fresh rounds: {confirmed:.2f}x, r.speedup)"
+    spe = chosen.get("steps_per_execution")
+    if spe is not None and spe != base_spe and per_batch is None:
+        notes.append(
+            f"steps_per_execution={spe}: Keras calls callbacks' batch-level methods once per "
+            f"{spe} steps; pass the callbacks you give fit as `callbacks=` and accelerate keeps "
+            "steps_per_execution off where one of them may act per batch."
+        )
     all_rows = [r for _, r in measured]
     all_rows.sort(key=lambda r: -r["examples_per_s"])
     all_rows.extend(rows)
@@ -380,6 +411,20 @@ def _run(model, source, max_seconds, exact, apply, notes):
         batch_size=B,
         steps=steps,
         seconds=time.perf_counter() - t_start,
+    )
+
+
+def _held_by_callbacks(e, model, per_batch) -> bool:
+    """Whether `per_batch` callbacks keep entry `e`'s `steps_per_execution` off the model."""
+    return bool(per_batch) and _callbacks.changes_steps_per_execution(e.candidate.settings, model)
+
+
+def _callbacks_note(e, r, per_batch) -> str:
+    n = e.candidate.settings["steps_per_execution"]
+    names = ", ".join(dict.fromkeys(per_batch))
+    return (
+        f"{r['speedup']:.2f}x; not applied: with steps_per_execution={n} Keras calls "
+        f"batch-level callback methods once per {n} steps, and {names} may act per batch"
     )
 
 

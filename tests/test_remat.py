@@ -87,6 +87,23 @@ def test_remat_modes_give_the_same_weights(build, shape, microbatches, remat_cal
         assert model.remat == (tuple(mode) if isinstance(mode, list) else mode)
 
 
+@pytest.mark.parametrize("kind", ["LSTM", "GRU", "SimpleRNN"])
+def test_activations_of_a_recurrent_layer_are_recomputed_in_its_cell(kind, remat_calls):
+    # A recurrent layer's `activation` is a read-only property forwarding to its cell:
+    # remat="activations" swaps the cell's, where it used to fail on the layer's (an
+    # AttributeError at the first fit on every backend).
+    def build():
+        keras.utils.set_random_seed(0)
+        return keras.Sequential(
+            [keras.Input((5, 3)), getattr(keras.layers, kind)(6), keras.layers.Dense(3)]
+        )
+
+    ref = _weights(_fit(build, (5, 3), None))
+    model = _fit(build, (5, 3), "activations")
+    assert remat_calls  # the cell's activations went through keras.remat
+    assert _max_diff(ref, _weights(model)) < 1e-6
+
+
 def test_stateful_layers_are_not_recomputed():
     model = _fit(_cnn, (8, 8, 2), "full")
     chosen = {layer.name for layer, _ in model._kp_remat_plan}

@@ -152,11 +152,13 @@ def plan(model, remat, threshold):
 
     def visit(layer):
         if remat == "activations":
-            activation = getattr(layer, "activation", None)
+            owner = _activation_owner(layer)
+            activation = getattr(owner, "activation", None)
             if activation is not None and activation is not keras.activations.linear:
                 chosen.append((layer, "activation"))
             for sub in _direct_sublayers(layer):
-                visit(sub)
+                if owner is layer or sub is not owner:  # a recurrent layer swaps its cell's
+                    visit(sub)
             return
         if _kept(layer) or isinstance(layer, keras.layers.InputLayer):
             for sub in _direct_sublayers(layer):
@@ -204,14 +206,27 @@ def _rematted_call(call):
     return wrapped
 
 
+def _activation_owner(layer):
+    """What holds the `activation` a call of `layer` reads: the layer, or for a recurrent layer
+    its cell (the layer's `activation` is a read-only property forwarding to the cell's, and
+    Keras' fused LSTM and GRU kernels on JAX and torch read the cell's attribute in the
+    layer's call, outside the cell's)."""
+    if isinstance(getattr(type(layer), "activation", None), property):
+        cell = getattr(layer, "cell", None)
+        return cell if cell is not None and "activation" in vars(cell) else None
+    return layer
+
+
 def _rematted_activation(layer, call):
+    owner = _activation_owner(layer)
+
     def wrapped(*args, **kwargs):
-        original = layer.activation
-        object.__setattr__(layer, "activation", keras.remat(original))
+        original = owner.activation
+        object.__setattr__(owner, "activation", keras.remat(original))
         try:
             return call(*args, **kwargs)
         finally:
-            object.__setattr__(layer, "activation", original)
+            object.__setattr__(owner, "activation", original)
 
     return wrapped
 

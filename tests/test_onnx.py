@@ -538,6 +538,31 @@ def test_inference_report_accuracy_of_a_sigmoid_binary_classifier_is_keras():
     )
 
 
+def test_inference_report_agreement_of_a_one_unit_logits_output_cuts_at_zero():
+    # A Dense(1) trained with BinaryCrossentropy(from_logits=True) outputs logits: its class
+    # is logit > 0, so `agreement` (the share given the Keras model's class) cuts there; it
+    # cut at 0.5 (an int8 file read 0.986 where its classes all agreed). `accuracy` stays
+    # Keras' "accuracy", whose BinaryAccuracy cuts logits at 0.5 too (docs/differences.md).
+    from keras_perf.export._inference_report import _agreement, _binary_threshold
+
+    x, _ = _tabular()
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1)])
+    model.compile("adam", keras.losses.BinaryCrossentropy(from_logits=True), metrics=["accuracy"])
+    logits = model.predict(x, verbose=0)
+    y = (logits[:, 0] > 0).astype("int64")  # the model's own classes
+    assert 0.1 < np.mean((logits > 0) != (logits > 0.5))  # the two cuts differ here
+    assert _binary_threshold(model) == 0.0
+    moved = logits + np.where(logits > 0, 0.4, -0.4)  # across 0.5 in places, never across 0
+    assert _agreement(moved, logits, "binary", 0.0) == 1.0
+    assert _agreement(moved, logits, "binary", 0.5) < 0.95
+    expected = model.evaluate(x, y, verbose=0, return_dict=True)["accuracy"]
+    assert _report(model, x, y, ["keras"])["keras"]["accuracy"] == pytest.approx(expected)
+    sigmoid = keras.Sequential([keras.Input((6,)), keras.layers.Dense(1, activation="sigmoid")])
+    sigmoid.compile("adam", "binary_crossentropy")
+    assert _binary_threshold(sigmoid) == 0.5
+
+
 def test_inference_report_accuracy_of_integer_labels_in_a_column_is_keras():
     # Regression (issue 41): integer labels of shape (n, 1) were all read as class 0.
     x, rng = _tabular()

@@ -205,6 +205,7 @@ def inference_report(
     reference = model.predict(_pack(model, arrays), verbose=0, batch_size=64)
     reference = np.asarray(keras.tree.flatten(reference)[0])
     kind = _output_kind(model, reference)
+    cut = _binary_threshold(model)  # the class boundary of a one-unit or sigmoid output
     if labels is not None:
         _accuracy(reference, labels)  # The labels' shape against the output's, before exporting.
 
@@ -236,7 +237,7 @@ def inference_report(
                         "latency_ms_p90": 1e3 * float(np.percentile(times[f], 90)),
                         "examples_per_s": b / p50,
                         "bytes": runners[f][2],
-                        "agreement": _agreement(out, reference, kind),
+                        "agreement": _agreement(out, reference, kind, cut),
                         "accuracy": None if labels is None else _accuracy(out, labels),
                     }
                 )
@@ -347,9 +348,24 @@ def _output_activation(model) -> str | None:
     return name
 
 
-def _classifier_loss(model) -> bool:
+def _first_loss(model):
     loss = getattr(model, "loss", None)
-    loss = keras.tree.flatten(loss)[0] if isinstance(loss, (list, tuple, dict)) else loss
+    return keras.tree.flatten(loss)[0] if isinstance(loss, (list, tuple, dict)) else loss
+
+
+def _binary_threshold(model) -> float:
+    """Where a one-unit or sigmoid output's class changes, for `agreement`: 0 for logits (no
+    sigmoid or softmax makes the output and the loss takes `from_logits=True`), else 0.5.
+    (`accuracy` is Keras' `"accuracy"`, whose `BinaryAccuracy` cuts at 0.5 whatever the
+    output: docs/differences.md.)"""
+    if _output_activation(model) in _CLASSIFIER_ACTIVATIONS:
+        return 0.5
+    config = getattr(_first_loss(model), "get_config", lambda: {})()
+    return 0.0 if isinstance(config, dict) and config.get("from_logits") else 0.5
+
+
+def _classifier_loss(model) -> bool:
+    loss = _first_loss(model)
     if loss is None:
         return False
     name = (
@@ -361,12 +377,12 @@ def _classifier_loss(model) -> bool:
     return "crossentropy" in name or "hinge" in name or name in ("ce", "kl_divergence")
 
 
-def _agreement(out, reference, kind: str) -> float:
-    """Share of examples classified as the Keras model does (`"binary"`: thresholded at 0.5,
+def _agreement(out, reference, kind: str, cut: float = 0.5) -> float:
+    """Share of examples classified as the Keras model does (`"binary"`: thresholded at `cut`,
     `"classes"`: argmax), or the max absolute difference (`"values"`)."""
     out = np.asarray(out, dtype=np.float32).reshape(reference.shape)
     if kind == "binary":
-        same = (out > 0.5) == (reference > 0.5)
+        same = (out > cut) == (reference > cut)
         return float(same.reshape(len(same), -1).all(-1).mean())
     if kind == "classes":
         return float((out.argmax(-1) == reference.argmax(-1)).mean())
@@ -375,8 +391,8 @@ def _agreement(out, reference, kind: str) -> float:
 
 def _accuracy(out, labels) -> float:
     """Keras' `"accuracy"` for these shapes (`compile_utils.get_metric`): binary accuracy
-    (threshold 0.5) for a one-unit output, sparse categorical for integer labels of shape
-    `(n,)` or `(n, 1)`, categorical for one-hot labels."""
+    (threshold 0.5, logits too, as Keras) for a one-unit output, sparse categorical for
+    integer labels of shape `(n,)` or `(n, 1)`, categorical for one-hot labels."""
     out = np.asarray(out, dtype=np.float32)
     if out.ndim == 1 or out.shape[-1] == 1:  # BinaryAccuracy
         predicted = (out.reshape(len(out), -1) > 0.5).astype(np.float32)

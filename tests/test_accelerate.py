@@ -978,19 +978,28 @@ def test_callbacks_that_may_act_per_batch_are_told_from_those_that_watch(tmp_pat
 
     watching = [
         keras.callbacks.TerminateOnNaN(),
-        keras.callbacks.ModelCheckpoint(str(tmp_path / "m.keras"), save_freq=3),
+        keras.callbacks.ModelCheckpoint(str(tmp_path / "m.keras")),  # once an epoch
+        keras.callbacks.BackupAndRestore(str(tmp_path / "backup")),
         keras.callbacks.TensorBoard(str(tmp_path / "tb"), update_freq="batch"),
         keras.callbacks.EarlyStopping(),  # epoch-level only
         keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr),  # epoch-level only
         kp.TrainingMonitor(),
-        kp.PruningCallback(kp.ConstantSparsity(0.5)),
     ]
     assert _callbacks.per_batch(watching) == []
     acting = [
         _WarmUp(),
         keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: None),
+        # Masks change at execution boundaries only: the weights end 0.3 apart.
+        kp.PruningCallback(kp.ConstantSparsity(0.5)),
+        # Saved at the first execution boundary past every 3 batches: other steps' weights.
+        keras.callbacks.ModelCheckpoint(str(tmp_path / "m.keras"), save_freq=3),
     ]
-    assert _callbacks.per_batch(watching + acting) == ["_WarmUp", "LambdaCallback"]
+    assert _callbacks.per_batch(watching + acting) == [
+        "_WarmUp",
+        "LambdaCallback",
+        "PruningCallback",
+        "ModelCheckpoint",
+    ]
     assert _callbacks.per_batch(_callbacks.check_callbacks(_WarmUp())) == ["_WarmUp"]
 
 

@@ -3,11 +3,13 @@
 With `steps_per_execution=N` Keras calls every callback's batch-level methods
 (`on_train_batch_begin` / `on_train_batch_end`, and the `on_batch_*` aliases) once per N steps,
 not once per step. A callback that only watches (the progress bar, `History`, TensorBoard,
-checkpoints, `TerminateOnNaN`) or that keras-perf wrote to count executions (the monitor, the
-pruning callbacks, the time limit) trains the same either way. Any other callback with a
-batch-level method may act per batch (a learning-rate warm-up set before each batch is the
-common case) and would then act every N steps: the next `fit` would not train as it would
-have, so `accelerate` leaves `steps_per_execution` as the model has it.
+`TerminateOnNaN`, a checkpoint saved once an epoch) or that keras-perf wrote to count
+executions (the monitor, the time limit) trains the same either way. Any other callback with
+a batch-level method may act per batch and would then act every N steps: a learning-rate
+warm-up set before each batch, the pruning callbacks (their masks change at execution
+boundaries only: 0.3 apart after 2 epochs), a checkpoint every `save_freq` batches (saved at
+other steps). The next `fit` would not train, or save, as it would have, so `accelerate`
+leaves `steps_per_execution` as the model has it.
 """
 
 from __future__ import annotations
@@ -21,20 +23,17 @@ def _safe_types() -> tuple[type, ...]:
     """Callbacks that train the same under `steps_per_execution` (keras-perf's own imported
     when first asked, as `accelerate` itself needs none of those packages)."""
     from keras_perf.monitor import TrainingMonitor
-    from keras_perf.pruning import MaskingCallback  # and ChannelPruningCallback, built on it
     from keras_perf.stopping import TimeLimit
 
     cb = keras.callbacks
-    keras_own = (
-        cb.History,
-        cb.ProgbarLogger,
-        cb.TensorBoard,
-        cb.ModelCheckpoint,
-        cb.BackupAndRestore,
-        cb.TerminateOnNaN,
-        cb.CSVLogger,
-    )
-    return (*keras_own, TrainingMonitor, MaskingCallback, TimeLimit)
+    keras_own = (cb.History, cb.ProgbarLogger, cb.TensorBoard, cb.TerminateOnNaN, cb.CSVLogger)
+    return (*keras_own, TrainingMonitor, TimeLimit)
+
+
+def _saves_per_epoch(callback) -> bool:
+    """A checkpoint (or backup) saved once an epoch: its batch methods save nothing."""
+    checkpoints = (keras.callbacks.ModelCheckpoint, keras.callbacks.BackupAndRestore)
+    return isinstance(callback, checkpoints) and getattr(callback, "save_freq", None) == "epoch"
 
 
 def check_callbacks(callbacks) -> list:
@@ -70,7 +69,11 @@ def _acts_per_batch(callback) -> bool:
 def per_batch(callbacks) -> list[str]:
     """Class names of the callbacks that may act per batch (see the module's docstring)."""
     safe = _safe_types()
-    return [type(c).__name__ for c in callbacks if not isinstance(c, safe) and _acts_per_batch(c)]
+    return [
+        type(c).__name__
+        for c in callbacks
+        if not isinstance(c, safe) and not _saves_per_epoch(c) and _acts_per_batch(c)
+    ]
 
 
 def changes_steps_per_execution(settings, model) -> bool:

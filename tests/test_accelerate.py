@@ -1013,10 +1013,12 @@ def test_callbacks_of_the_wrong_type_are_refused(callbacks):
 
 @pytest.mark.slow  # a few seconds: every candidate compiled once
 @pytest.mark.backends("tensorflow", "jax")
-@pytest.mark.parametrize("kind", ["none", "watching", "warm-up"])
+@pytest.mark.parametrize("kind", ["none", "watching", "warm-up", "generator"])
 def test_steps_per_execution_is_kept_off_where_a_callback_acts_per_batch(monkeypatch, kind):
     # With steps_per_execution=N Keras calls batch-level callback methods once per N steps: a
-    # warm-up that sets the learning rate before each batch would set it every N steps.
+    # warm-up that sets the learning rate before each batch would set it every N steps. And
+    # it runs whole executions: where the data does not say how long an epoch is (a
+    # generator), an epoch runs on to the next multiple of N past fit's steps_per_epoch.
     import keras_perf.acceleration as acceleration
     from keras_perf.acceleration import _measure
 
@@ -1031,16 +1033,28 @@ def test_steps_per_execution_is_kept_off_where_a_callback_acts_per_batch(monkeyp
         "none": None,
         "watching": [keras.callbacks.TerminateOnNaN(), kp.TrainingMonitor()],
         "warm-up": [keras.callbacks.TerminateOnNaN(), _WarmUp()],
+        "generator": [],
     }[kind]
     model = _mlp()
     x, y = _data(256)
-    r = kp.accelerate(model, x, y, batch_size=32, max_seconds=1, callbacks=callbacks)
+    if kind == "generator":
+
+        def batches():
+            while True:
+                for i in range(0, 256, 32):
+                    yield x[i : i + 32], y[i : i + 32]
+
+        r = kp.accelerate(model, batches(), max_seconds=1, callbacks=callbacks)
+    else:
+        r = kp.accelerate(model, x, y, batch_size=32, max_seconds=1, callbacks=callbacks)
     row = next(row for row in r.rows if row["settings"] == {"steps_per_execution": 4})
-    if kind == "warm-up":
+    if kind in ("warm-up", "generator"):
         assert r.chosen == {} and model.steps_per_execution == 1 and not row["chosen"]
-        assert "not applied: with steps_per_execution=4" in row["note"]
-        assert "_WarmUp may act per batch" in row["note"]
+        assert "2.00x; not applied:" in row["note"]
+        why = "_WarmUp may act per batch" if kind == "warm-up" else "how long an epoch is"
+        assert why in row["note"]
     else:
         assert r.chosen == {"steps_per_execution": 4} and model.steps_per_execution == 4
         said = any("once per 4 steps" in note for note in r.notes)
         assert said == (kind == "none")
+        assert any("should be a multiple of 4" in note for note in r.notes)

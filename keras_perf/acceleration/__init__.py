@@ -69,9 +69,14 @@ def _check(model, batch_size, max_seconds, exact, apply):
 
 
 def _source(model, x, y, batch_size):
-    """`diagnose`'s reading of the data; a one-pass generator is read once into memory."""
+    """`diagnose`'s reading of the data; a one-pass generator is read once into memory.
+    Returns `(source, notes, epoch_known)`: whether the data says how long an epoch is
+    (arrays, a finite dataset, a `PyDataset` with a length)."""
     source = _data.make_source(
         x, y, batch_size, GENERATOR_BATCHES, caller="accelerate", model=model
+    )
+    epoch_known = not source.one_pass and (
+        source.kind == "arrays" or source.batches_per_epoch is not None
     )
     notes = []
     if source.one_pass:
@@ -89,7 +94,7 @@ def _source(model, x, y, batch_size):
             + ("; their sample weights were left out." if sws is not None else ".")
         )
         source = _data.ArraySource(xs, ys, size, caller="accelerate", model=model)
-    return source, notes
+    return source, notes, epoch_known
 
 
 def _exactness_data(source, batch_size):
@@ -170,10 +175,10 @@ def accelerate(
     per_batch = None if callbacks is None else _callbacks.per_batch(known)
     check_no_ignored_settings("accelerate", model)
     check_fit_data("accelerate", model, x)
-    source, notes = _source(model, x, y, batch_size)
+    source, notes, epoch_known = _source(model, x, y, batch_size)
     rng = _dmeasure.RandomState()
     try:
-        return _run(model, source, float(max_seconds), exact, apply, notes, per_batch)
+        return _run(model, source, float(max_seconds), exact, apply, notes, per_batch, epoch_known)
     finally:
         rng.restore()
 
@@ -225,9 +230,9 @@ def _row(candidate, eps, exact_ok, diff, note=None, speedup=None):
     }
 
 
-def _run(model, source, max_seconds, exact, apply, notes, per_batch=None):
+def _run(model, source, max_seconds, exact, apply, notes, per_batch=None, epoch_known=True):
     """`per_batch`: the names of the user's callbacks that may act per batch (None: the
-    callbacks are not known)."""
+    callbacks are not known); `epoch_known`: whether the data says how long an epoch is."""
     t_start = time.perf_counter()
     B = _batch_size(source)
     if source.kind == "arrays":
@@ -343,7 +348,7 @@ def _run(model, source, max_seconds, exact, apply, notes, per_batch=None):
         and e.candidate.exact_lever
         and (r["exact"] is True or not exact)
         and r["speedup"] > 1 + NOISE
-        and not _held_by_callbacks(e, model, per_batch)
+        and _held(e, r, model, per_batch, epoch_known) is None
     ]
     if eligible:
         _, chosen_row = max(eligible, key=lambda er: er[1]["examples_per_s"])
@@ -378,25 +383,32 @@ def _run(model, source, max_seconds, exact, apply, notes, per_batch=None):
         if r.pop("unconfirmed", False):
             continue
         r["note"] = _why(e, r, base, chosen_row, exact, apply, best_eps)
+        held = _held(e, r, model, per_batch, epoch_known)
         if (
             e is not base
             and r is not chosen_row
             and e.candidate.exact_lever
             and not (r["exact"] is False and exact)
             and r["speedup"] > 1 + NOISE
-            and _held_by_callbacks(e, model, per_batch)
+            and held is not None
         ):
-            r["note"] = _callbacks_note(e, r, per_batch)
+            r["note"] = held
         if r is chosen_row:
             r["chosen"] = True
             r["note"] += f" (confirmed in fresh rounds: {confirmed:.2f}x, r.speedup)"
     spe = chosen.get("steps_per_execution")
-    if spe is not None and spe != base_spe and per_batch is None:
+    if spe is not None and spe != base_spe:
         notes.append(
-            f"steps_per_execution={spe}: Keras calls callbacks' batch-level methods once per "
-            f"{spe} steps; pass the callbacks you give fit as `callbacks=` and accelerate keeps "
-            "steps_per_execution off where one of them may act per batch."
+            f"steps_per_execution={spe}: Keras runs whole executions of {spe} steps, so a "
+            f"steps_per_epoch you give fit should be a multiple of {spe} (else each epoch "
+            "runs on to the next multiple)."
         )
+        if per_batch is None:
+            notes.append(
+                f"steps_per_execution={spe}: Keras calls callbacks' batch-level methods once "
+                f"per {spe} steps; pass the callbacks you give fit as `callbacks=` and "
+                "accelerate keeps steps_per_execution off where one of them may act per batch."
+            )
     all_rows = [r for _, r in measured]
     all_rows.sort(key=lambda r: -r["examples_per_s"])
     all_rows.extend(rows)
@@ -414,18 +426,25 @@ def _run(model, source, max_seconds, exact, apply, notes, per_batch=None):
     )
 
 
-def _held_by_callbacks(e, model, per_batch) -> bool:
-    """Whether `per_batch` callbacks keep entry `e`'s `steps_per_execution` off the model."""
-    return bool(per_batch) and _callbacks.changes_steps_per_execution(e.candidate.settings, model)
-
-
-def _callbacks_note(e, r, per_batch) -> str:
+def _held(e, r, model, per_batch, epoch_known) -> str | None:
+    """Why entry `e`'s `steps_per_execution` may not be set on the model (its row's note), or
+    None: the user's callbacks act per batch, or the data does not say how long an epoch is."""
+    if not _callbacks.changes_steps_per_execution(e.candidate.settings, model):
+        return None
     n = e.candidate.settings["steps_per_execution"]
-    names = ", ".join(dict.fromkeys(per_batch))
-    return (
-        f"{r['speedup']:.2f}x; not applied: with steps_per_execution={n} Keras calls "
-        f"batch-level callback methods once per {n} steps, and {names} may act per batch"
-    )
+    if per_batch:
+        names = ", ".join(dict.fromkeys(per_batch))
+        return (
+            f"{r['speedup']:.2f}x; not applied: with steps_per_execution={n} Keras calls "
+            f"batch-level callback methods once per {n} steps, and {names} may act per batch"
+        )
+    if not epoch_known:
+        return (
+            f"{r['speedup']:.2f}x; not applied: the data does not say how long an epoch is, and "
+            f"Keras runs whole executions of {n} steps (an epoch would run on to the next "
+            f"multiple of {n} past fit's steps_per_epoch); set it by hand with a multiple"
+        )
+    return None
 
 
 def _confirm(base, winner, seconds) -> float:

@@ -152,12 +152,13 @@ class Snapshot:
 
 
 class RandomState:
-    """Python's, NumPy's (and torch's) global random state: fit and clone_model draw from them."""
+    """Python's, NumPy's and the framework's (torch's; TensorFlow's op seeds) global random
+    state: fit and clone_model draw from them."""
 
     def __init__(self):
         self.py = random.getstate()
         self.np = np.random.get_state()
-        self.framework = _backend.global_rng_state()  # torch's; None elsewhere
+        self.framework = _backend.global_rng_state()  # None on JAX
 
     def restore(self):
         random.setstate(self.py)

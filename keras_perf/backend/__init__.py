@@ -44,8 +44,9 @@ Interface (every implementation module provides these names):
   (TensorFlow keeps every graph with a `tf.custom_gradient` alive otherwise; Keras' optimizer
   has one); elsewhere a null context. The tools that trace twins' train functions use it.
 - ``global_rng_state() -> object | None`` and ``set_global_rng_state(state)`` (optional;
-  torch only): the framework's global RNG state, which `fit` and `clone_model` draw from;
-  elsewhere None and a no-op.
+  torch and TensorFlow): the framework's global RNG state, which `fit` and `clone_model` draw
+  from (TensorFlow: the eager op-seed generator a global seed starts, from which the shuffle
+  of Keras' array pipeline takes its seed); elsewhere None and a no-op.
 - ``tf_data_has_stage(dataset, name) -> bool`` and ``tf_data_tuned(dataset, cache=False,
   parallel_map=False)``: tf.data pipelines, on every backend (tf.data runs beside any Keras
   backend with TensorFlow installed), so they always come from the ``tensorflow`` module,

@@ -58,6 +58,24 @@ def _fresh(obj):
     return obj
 
 
+def clone(model, **kwargs):
+    """`keras.models.clone_model(model, **kwargs)`, also for a model compiled with a loss or
+    metric Keras cannot deserialize (a plain function, a lambda): Keras' clone compiles the
+    copy from the model's serialized compile config, which fails on those, so the model is
+    cloned as if uncompiled and the caller compiles the copy with the objects themselves
+    (`compile_twin`)."""
+    try:
+        return keras.models.clone_model(model, **kwargs)
+    except Exception:
+        if not getattr(model, "compiled", False):
+            raise
+    model.compiled = False  # for the clone only: Keras' Trainer attribute, put back below
+    try:
+        return keras.models.clone_model(model, **kwargs)
+    finally:
+        model.compiled = True
+
+
 def unbuilt_start(model, x_batch):
     """For a model not built yet (a Sequential without an `Input`, a subclassed model never
     called): `(x_batch, weights)`, the weights of a clone built on `x_batch`, for every twin
@@ -68,11 +86,11 @@ def unbuilt_start(model, x_batch):
         return None
     with _backend.model_scope(model):
         try:
-            clone = keras.models.clone_model(model)
-            clone(x_batch)
+            built = clone(model)
+            built(x_batch)
         except Exception:  # noqa: BLE001 - what Keras cannot clone is said by make_twin
             return None
-        return x_batch, clone.get_weights()
+        return x_batch, built.get_weights()
 
 
 def make_twin(model, start=None):
@@ -83,7 +101,7 @@ def make_twin(model, start=None):
     args = compile_args(model)
     with _backend.model_scope(model):
         try:
-            twin = keras.models.clone_model(model)
+            twin = clone(model)
         except Exception:  # subclassed without get_config, custom layers, ...
             return None
         try:
@@ -105,14 +123,14 @@ def policy_twin(model, policy, start=None):
     try:
         keras.mixed_precision.set_global_policy(policy)
 
-        def clone(layer):
+        def clone_layer(layer):
             config = layer.get_config()
             if "dtype" in config:
                 config["dtype"] = policy
             return type(layer).from_config(config)
 
         with _backend.model_scope(model):
-            twin = keras.models.clone_model(model, clone_function=clone)
+            twin = clone(model, clone_function=clone_layer)
             if start is not None:
                 twin(start[0])
             twin.set_weights(model.get_weights() if start is None else start[1])
@@ -124,8 +142,9 @@ def policy_twin(model, policy, start=None):
 
 def compile_twin(twin, args, **changes) -> None:
     kwargs = {k: _fresh(args[k]) for k in COMPILE_KEYS if k in args}
-    if isinstance(twin.optimizer, keras.optimizers.Optimizer) and "optimizer" not in changes:
-        kwargs["optimizer"] = twin.optimizer  # a recompile keeps the twin's built optimizer
+    optimizer = getattr(twin, "optimizer", None)  # none on a clone made uncompiled (`clone`)
+    if isinstance(optimizer, keras.optimizers.Optimizer) and "optimizer" not in changes:
+        kwargs["optimizer"] = optimizer  # a recompile keeps the twin's built optimizer
     kwargs.update(changes)
     twin.compile(**kwargs)
 

@@ -93,6 +93,16 @@ def unbuilt_start(model, x_batch):
         return x_batch, built.get_weights()
 
 
+def _start_weights(model, twin, start) -> None:
+    """`model`'s weights on `twin`; `start`'s (built on its batch first) for a model not
+    built yet."""
+    if start is None:
+        twin.set_weights(model.get_weights())
+    else:
+        twin(start[0])
+        twin.set_weights(start[1])
+
+
 def make_twin(model, start=None):
     """A compiled twin of `model` with its weights and its keras-perf train-step settings
     (`microbatches`, `remat`, ...: `keras.models.clone_model` builds the step with the
@@ -105,9 +115,7 @@ def make_twin(model, start=None):
         except Exception:  # subclassed without get_config, custom layers, ...
             return None
         try:
-            if start is not None:
-                twin(start[0])
-            twin.set_weights(model.get_weights() if start is None else start[1])
+            _start_weights(model, twin, start)
         except ValueError:
             return None
         twin = keep_train_step(model, twin)
@@ -131,9 +139,7 @@ def policy_twin(model, policy, start=None):
 
         with _backend.model_scope(model):
             twin = clone(model, clone_function=clone_layer)
-            if start is not None:
-                twin(start[0])
-            twin.set_weights(model.get_weights() if start is None else start[1])
+            _start_weights(model, twin, start)
             twin = keep_train_step(model, twin)
     finally:
         keras.mixed_precision.set_global_policy(previous)

@@ -439,8 +439,8 @@ def traced_step_unsupported(model: keras.Model) -> str | None:
 def _own_train_step(model) -> str | None:
     """The class that overrides Keras' (or keras-perf's) `train_step` on `model`, or None."""
     owner = next(c for c in type(model).__mro__ if "train_step" in vars(c))
-    if owner.__module__.startswith(("keras.src.", "keras_perf.train_step.")):
-        return None
+    if owner in keras.Model.__mro__ or owner.__module__.startswith("keras_perf.train_step."):
+        return None  # Keras' trainer, or keras-perf's step (traced as `_kp_update`)
     return owner.__qualname__
 
 

@@ -63,7 +63,10 @@ if keras.backend.backend() != "torch":  # a train-step backend module, as torch.
 import torch  # noqa: E402
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 
-from keras_perf._keras_internals import torch_spatial_transposes_as_views  # noqa: E402
+from keras_perf._keras_internals import (  # noqa: E402
+    held_values,
+    torch_spatial_transposes_as_views,
+)
 from keras_perf._utils import KerasPerfWarning  # noqa: E402
 from keras_perf.train_step._base import TrainStepBase  # noqa: E402
 from keras_perf.train_step._torch_kp_step import _detached, _kp_update, _SplitStep  # noqa: E402
@@ -255,7 +258,7 @@ class _TracedStep:
                 return self.fall_back(
                     f"tracing the step failed ({type(e).__name__}: {_first_line(e)})", data
                 )
-        values = [v.value for v in self.variables]
+        values = held_values(self.variables)
         with torch.no_grad():
             if isinstance(entry, _SplitStep):
                 try:

@@ -544,6 +544,63 @@ def test_applied_settings_train_as_settings_set_by_hand(family):
     assert int(model.optimizer.iterations) == iterations + 8
 
 
+@pytest.mark.backends("torch")
+@pytest.mark.parametrize(
+    "family", ["mlp"] + [pytest.param(f, marks=pytest.mark.slow) for f in ("cnn_bn", "dict")]
+)
+def test_the_traced_step_with_steps_per_execution_trains_as_keras_own_step(family, tmp_path):
+    # On torch steps_per_execution comes with keras-perf's traced step (Keras' torch backend
+    # refuses it): set on the model, kept out of its compile config, so that the saved model
+    # is plain Keras that runs.
+    from keras_perf.train_step import torch_traced
+
+    model, x, y = _family(family)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+    by_hand = keras.models.clone_model(model)
+    by_hand.set_weights(model.get_weights())
+    compile_twin(by_hand, compile_args(model))  # Keras' own step, one step per execution
+    by_hand.optimizer.build(by_hand.trainable_variables)
+    for a, b in zip(by_hand.optimizer.variables, model.optimizer.variables):
+        a.assign(np.array(keras.ops.convert_to_numpy(b.value)))
+    iterations = int(model.optimizer.iterations)
+    _apply.apply(model, {"traced_step": True, "steps_per_execution": 2})
+    assert model.steps_per_execution == 2 and torch_traced.traced_step_state(model)["active"]
+    assert model.get_compile_config().get("steps_per_execution", 1) == 1
+    h = model.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+    h_by_hand = by_hand.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
+    for a, b in zip(model.get_weights(), by_hand.get_weights()):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    for key in h_by_hand.history:
+        np.testing.assert_allclose(h.history[key], h_by_hand.history[key], rtol=1e-5, err_msg=key)
+    assert int(model.optimizer.iterations) == iterations + 16
+    model.save(tmp_path / "m.keras")
+    loaded = keras.saving.load_model(tmp_path / "m.keras")
+    assert loaded.steps_per_execution == 1
+    loaded.fit(x, y, batch_size=16, epochs=1, verbose=0)
+
+
+@pytest.mark.backends("torch")
+@pytest.mark.parametrize("n, expected", [(256, 4), (96, 3), (64, 2), (224, None)])
+def test_torch_pairs_the_traced_step_with_a_steps_per_execution_dividing_the_epoch(n, expected):
+    # Keras' torch epoch iterator warns "Your input ran out of data" at every epoch whose
+    # last execution is short: the value paired divides the epoch's steps (7 steps: none).
+    import keras_perf.acceleration as acceleration
+    from keras_perf.acceleration import _candidates
+
+    model = _mlp()
+    x, _ = _data(n)
+    steps = -(-n // 32)
+    ctx = acceleration._Context(model, None, 32, steps, n, 10.0)
+    traced = _candidates.single(ctx, {"traced_step": True})
+    found = _candidates.pairs(ctx, [traced])
+    if expected is None:
+        assert found == []
+    else:
+        (pair,) = found
+        assert pair.settings == {"traced_step": True, "steps_per_execution": expected}
+        assert pair.steps_multiple == expected
+
+
 @pytest.mark.slow
 def test_accelerate_applies_in_place_and_the_next_fit_is_exact():
     model = _mlp()

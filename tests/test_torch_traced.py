@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import keras
 import numpy as np
 import pytest
@@ -456,6 +458,54 @@ def test_save_and_load_after_install(tmp_path):
     _close(model.predict(x, verbose=0), loaded.predict(x, verbose=0))
     _close([v.numpy() for v in model.optimizer.variables], [v.numpy() for v in loaded.optimizer.variables])  # fmt: skip
     loaded.fit(x, y, batch_size=BATCH, verbose=0)
+
+
+@torch_only
+def test_steps_per_execution_runs_on_the_installed_step_as_one_step_at_a_time(tmp_path):
+    """Keras' torch backend refuses steps_per_execution > 1; the installed traced step runs
+    it: fit, validation, evaluate and predict as with 1, the batch callbacks once per N."""
+
+    class Batches(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.ends = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.ends.append(batch)
+
+    x, y = _data((6,))  # 100 examples: 4 batches of 32, the last short
+    runs = []
+    for spe in (1, 2):
+        model = _compiled(_mlp)
+        _traced().install_traced_step(model)
+        model.steps_per_execution = spe
+        record = Batches()
+        h = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0,
+                      validation_data=(x[:40], y[:40]), callbacks=[record])  # fmt: skip
+        ev = model.evaluate(x, y, batch_size=25, verbose=0, return_dict=True)
+        with warnings.catch_warnings():
+            # 7 batches: the last execution holds one, and Keras' torch iterator warns.
+            warnings.filterwarnings("ignore", message="Your input ran out of data")
+            runs.append(
+                (h.history, model, record.ends, ev, model.predict(x, batch_size=16, verbose=0))
+            )
+    (h1, m1, ends1, ev1, p1), (h2, m2, ends2, ev2, p2) = runs
+    _same(h1, h2, m1, m2)
+    assert ends1 == [0, 1, 2, 3] * 2 and ends2 == [1, 3] * 2  # Keras' numbering, as on TF/JAX
+    assert ev1.keys() == ev2.keys()
+    np.testing.assert_allclose(list(ev1.values()), list(ev2.values()), rtol=1e-6)
+    assert p2.shape == p1.shape == (N, 3)
+    _close(p1, p2)
+    assert int(m2.optimizer.iterations) == 8
+    # Saved and loaded: plain Keras with one step per execution, which it runs.
+    m2.save(tmp_path / "m.keras")
+    loaded = keras.saving.load_model(tmp_path / "m.keras")
+    assert loaded.steps_per_execution == 1
+    loaded.fit(x, y, batch_size=BATCH, verbose=0)
+    # Removed: back to 1, which Keras' own step runs.
+    _traced().remove_traced_step(m2)
+    assert m2.steps_per_execution == 1
+    m2.fit(x, y, batch_size=BATCH, verbose=0)
 
 
 @torch_only

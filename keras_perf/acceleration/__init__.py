@@ -121,7 +121,8 @@ def accelerate(
 
     Every candidate (TensorFlow: `jit_compile` on/off, `steps_per_execution` 4/16/64 and the
     pair of the two that pay; JAX: `steps_per_execution`; torch: Keras' `jit_compile=True`
-    (`torch.compile`) and keras-perf's traced train step; everywhere: mixed precision where it
+    (`torch.compile`), keras-perf's traced train step and, where it paid, the traced step with
+    `steps_per_execution`, which only it runs on torch; everywhere: mixed precision where it
     may pay and twice the batch, listed but not applied) is timed with real `fit` calls on its
     own twin of `model` with this data, in alternated rounds (whole epochs where an epoch has
     at most 64 steps, longer ones scaled from 64-step fits; the fit's set-up counted once per

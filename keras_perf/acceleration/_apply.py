@@ -8,12 +8,17 @@ into the compile config Keras keeps (`model.get_compile_config()`), so that `mod
 `kp.fit_with_oom_retry`'s rungs call it) keep them. `model.compile(...)` again replaces all of
 it: the model is plain Keras again.
 
-`traced_step` installs keras-perf's traced torch train step (`install_traced_step`).
+`traced_step` installs keras-perf's traced torch train step (`install_traced_step`). On torch
+`steps_per_execution` comes only with it (Keras' torch backend refuses values above 1; the
+installed step runs them): it is set on the model, not in the compile config, so that a saved
+or rebuilt model is plain Keras that runs.
 """
 
 from __future__ import annotations
 
 import warnings
+
+import keras
 
 from keras_perf._utils import KerasPerfWarning
 
@@ -67,7 +72,9 @@ def check_traced(model, settings) -> None:
 
 
 def apply(model, settings) -> None:
-    """Set `settings` on `model` in place."""
+    """Set `settings` on `model` in place (the traced step first: installing it can fail)."""
+    if settings.get("traced_step"):
+        install_traced(model, settings["traced_step"])
     for key in COMPILE_SETTINGS:
         if key in settings:
             setattr(model, key, settings[key])
@@ -75,10 +82,12 @@ def apply(model, settings) -> None:
     config = getattr(stored, "config", None)
     if isinstance(config, dict):
         for key in COMPILE_SETTINGS:
-            if key in settings:
+            if key in settings and not (key == "steps_per_execution" and is_torch()):
                 config[key] = settings[key]
     model.train_function = None
     model.test_function = None
     model.predict_function = None
-    if settings.get("traced_step"):
-        install_traced(model, settings["traced_step"])
+
+
+def is_torch() -> bool:
+    return keras.backend.backend() == "torch"

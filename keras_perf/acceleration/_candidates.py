@@ -23,6 +23,9 @@ from keras_perf.acceleration._apply import NOT_AVAILABLE, Unavailable, torch_tra
 
 # `steps_per_execution` values tried (capped by the steps of one measurement).
 SPE_VALUES = (4, 16, 64)
+# `steps_per_execution` paired with keras-perf's traced step on torch (Keras' torch backend
+# refuses it; the installed traced step runs it): the first that divides an epoch's steps.
+TORCH_SPE = (4, 3, 2)
 # torch.compile is tried only with a budget of at least this many seconds.
 TORCH_COMPILE_MIN_SECONDS = 30
 
@@ -288,11 +291,29 @@ def candidates(ctx) -> tuple[list[Candidate], list[str]]:
     return out, notes
 
 
+def _torch_spe(ctx) -> int | None:
+    """The `steps_per_execution` to pair with the traced step on torch: one that divides the
+    steps of an epoch (Keras' torch epoch iterator warns "Your input ran out of data" at every
+    epoch whose last execution is short), or None."""
+    if ctx.compile_args.get("run_eagerly"):
+        return None
+    steps, _ = ctx.epoch(ctx.batch_size)
+    return next((k for k in TORCH_SPE if steps % k == 0 and k <= steps), None)
+
+
 def pairs(ctx, winners) -> list[Candidate]:
     """Combinations of the exact single settings that each beat the baseline: the best
-    `jit_compile` or `traced_step` setting with the best `steps_per_execution`."""
+    `jit_compile` or `traced_step` setting with the best `steps_per_execution`. On torch,
+    where `steps_per_execution` runs only inside keras-perf's traced step, the best traced
+    step with `TORCH_SPE` (fit's loop and the callbacks once per that many steps)."""
     spe = [c for c in winners if set(c.settings) == {"steps_per_execution"}]
     other = [c for c in winners if "steps_per_execution" not in c.settings]
+    if keras.backend.backend() == "torch":
+        traced = [c for c in other if c.settings.get("traced_step")]
+        k = _torch_spe(ctx)
+        if not traced or k is None:
+            return []
+        return [single(ctx, {**traced[0].settings, "steps_per_execution": k})]
     if not spe or not other:
         return []
     return [single(ctx, {**other[0].settings, **spe[0].settings})]

@@ -45,6 +45,13 @@ keras-perf's own step with the reason.
 `inductor=True` runs each traced graph through `torch.compile` (inductor): it fuses the
 elementwise work (Adam, metrics) into a few C++ kernels, which pays on an MLP, and costs
 seconds of compilation per input signature (see docs/accelerate.md for the measurements).
+
+An installed step also runs `steps_per_execution > 1`, which Keras' torch backend refuses:
+Keras' `fit`, `evaluate` and `predict` then hand over N batches at a time (as on TensorFlow
+and JAX) and the step runs them one after the other, so `fit`'s loop and the callbacks' batch
+methods run once per N steps. `kp.accelerate` sets it on the model (not in its compile
+config: a saved or rebuilt model is plain Keras, which cannot run it); `remove_traced_step`
+sets it back to 1.
 """
 
 from __future__ import annotations
@@ -123,21 +130,35 @@ def install_traced_step(model: keras.Model, *, inductor: bool = False) -> None:
     step = _TracedStep(model, inductor=inductor)
     object.__setattr__(model, _ATTR, step)
     object.__setattr__(model, "train_step", step)
-    object.__setattr__(model, "make_train_function", step.make_train_function)
-    model.train_function = None
+    for name in _HOOKS:
+        object.__setattr__(model, name, getattr(step, name))
+    model.train_function = model.test_function = model.predict_function = None
 
 
 def remove_traced_step(model: keras.Model) -> None:
-    """Return `model` to Keras' own train step (or keras-perf's): the next `fit` runs it."""
+    """Return `model` to Keras' own train step (or keras-perf's): the next `fit` runs it.
+    A `steps_per_execution` above 1, which only the installed step runs on torch, is set back
+    to 1."""
+    installed = model.__dict__.get(_ATTR)
     _uninstall(model)
     model.__dict__.pop(_ATTR, None)
+    if installed is not None and installed.installed and _steps_per_execution(model) > 1:
+        model.steps_per_execution = 1
+
+
+# The Trainer's hooks an installed step replaces (on the instance).
+_HOOKS = ("make_train_function", "make_test_function", "make_predict_function")
 
 
 def _uninstall(model) -> None:
     """Take the installed step's hooks off `model` (its state, with the reason, stays)."""
-    for name in ("train_step", "make_train_function"):
+    for name in ("train_step", *_HOOKS):
         model.__dict__.pop(name, None)
-    model.train_function = None
+    model.train_function = model.test_function = model.predict_function = None
+
+
+def _steps_per_execution(model) -> int:
+    return int(getattr(model, "steps_per_execution", 1) or 1)
 
 
 def traced_step_state(model: keras.Model) -> dict:
@@ -205,17 +226,64 @@ class _TracedStep:
     # -- Keras' hooks ---------------------------------------------------------------------
     def make_train_function(self, force=False):
         """Keras' own `make_train_function` (fit calls it once per fit), never under
-        `torch.compile`: the step is already one graph."""
+        `torch.compile`: the step is already one graph. With `steps_per_execution` N > 1
+        (installed step only), a function that runs the N batches Keras hands over one after
+        the other and returns the last step's logs, as Keras' JAX trainer does."""
         model = self.model
         self.lists_key = None  # the variables are read again at this fit's first step
         if not self.check_compiled():
             return type(model).make_train_function(model, force)
+        if self.installed and _steps_per_execution(model) > 1:
+            if model.train_function is None or force:
+
+                def multi_step(data):
+                    for batch in data:
+                        logs = model.train_step(batch)
+                    return logs
+
+                model.train_function = multi_step
+            return model.train_function
         jit = model.jit_compile
         try:
             model.jit_compile = False
             return type(model).make_train_function(model, force)
         finally:
             model.jit_compile = jit
+
+    def make_test_function(self, force=False):
+        """Keras' own, or with `steps_per_execution` N > 1 the N batches one after the other
+        (the last step's logs: the metrics accumulate)."""
+        model = self.model
+        if not self.check_compiled() or _steps_per_execution(model) == 1:
+            return type(model).make_test_function(model, force)
+        if model.test_function is None or force:
+
+            def multi_test(data):
+                with torch.no_grad():
+                    for batch in data:
+                        logs = model.test_step(batch)
+                return logs
+
+            model.test_function = multi_test
+        return model.test_function
+
+    def make_predict_function(self, force=False):
+        """Keras' own, or with `steps_per_execution` N > 1 the N batches' predictions joined
+        along the batch axis."""
+        model = self.model
+        if not self.check_compiled() or _steps_per_execution(model) == 1:
+            return type(model).make_predict_function(model, force)
+        if model.predict_function is None or force:
+
+            def multi_predict(data):
+                with torch.no_grad():
+                    outputs = [model.predict_step(batch) for batch in data]
+                if len(outputs) == 1:
+                    return outputs[0]
+                return keras.tree.map_structure(lambda *t: torch.cat(t), *outputs)
+
+            model.predict_function = multi_predict
+        return model.predict_function
 
     def check_compiled(self) -> bool:
         """False (and the model back to Keras' own step) once the model was compiled again."""

@@ -752,9 +752,24 @@ def test_diagnose_offers_the_torch_candidates():
         assert any("traced train step not offered: not available" in n for n in d.notes)
     else:
         # Offered: measured, or named as not measured when the small budget ran out first.
-        assert any(w["change"] == "keras-perf traced step (torch)" for w in d.what_if) or any(
-            n.startswith("keras-perf traced step (torch) not measured") for n in d.notes
-        ), str(d)
+        for name in ("keras-perf traced step", "keras-perf traced step + steps_per_execution=4"):
+            assert any(w["change"] == f"{name} (torch)" for w in d.what_if) or any(
+                n.startswith(f"{name} (torch) not measured") for n in d.notes
+            ), str(d)
+
+
+@pytest.mark.backends("torch")
+def test_a_rebuilt_model_runs_after_the_traced_step_with_steps_per_execution():
+    # Keras' torch backend refuses steps_per_execution > 1: the models keras-perf rebuilds
+    # from the compile config (kp.loss_scaled, fit_with_oom_retry's rungs) get 1, and run.
+    model = _mlp()
+    _apply.apply(model, {"traced_step": True, "steps_per_execution": 4})
+    rung = kp.loss_scaled(model)  # keeps the traced step, as a setting
+    assert rung.steps_per_execution == 1 and rung.traced_step is True
+    x, y = _data(128)
+    rung.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    h = kp.fit_with_oom_retry(model, x, y, batch_size=32, epochs=1, verbose=0)
+    assert np.isfinite(h.history["loss"]).all() and model.steps_per_execution == 4
 
 
 @pytest.mark.backends("tensorflow", "jax")

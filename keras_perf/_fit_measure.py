@@ -38,10 +38,16 @@ COMPILE_KEYS = (
 
 
 def compile_args(model) -> dict:
-    """The arguments `model.compile` was called with (Keras keeps them to save the model)."""
+    """The arguments `model.compile` was called with (Keras keeps them to save the model),
+    with the model's own `run_eagerly`, `jit_compile` and (but on torch, where a value above 1
+    comes only with keras-perf's installed traced step: `make_twin` sets it with that step)
+    `steps_per_execution`."""
     stored = getattr(model, "_compile_config", None)  # private; present since Keras 3.0
     config = dict(getattr(stored, "config", {}) or {})
-    for key in ("run_eagerly", "steps_per_execution", "jit_compile"):
+    keys = ("run_eagerly", "steps_per_execution", "jit_compile")
+    if keras.backend.backend() == "torch":
+        keys = ("run_eagerly", "jit_compile")
+    for key in keys:
         config[key] = getattr(model, key, config.get(key))
     config.setdefault("optimizer", model.optimizer)
     return config
@@ -120,7 +126,26 @@ def make_twin(model, start=None):
             return None
         twin = keep_train_step(model, twin)
         compile_twin(twin, args)
+        _keep_installed_step(model, twin)
     return twin
+
+
+def _keep_installed_step(model, twin) -> None:
+    """keras-perf's traced torch step, where it is installed on `model` (as `kp.accelerate`
+    applies it), installed on `twin` too with `model`'s `steps_per_execution`, which on torch
+    runs only with that step (`compile_args` leaves it out there): the twin trains as the
+    model does."""
+    if keras.backend.backend() != "torch":
+        return
+    from keras_perf.train_step import installed_traced_step
+
+    mode = installed_traced_step(model)
+    if mode is False:
+        return
+    from keras_perf.train_step.torch_traced import install_traced_step
+
+    install_traced_step(twin, inductor=mode == "inductor")
+    twin.steps_per_execution = model.steps_per_execution
 
 
 def policy_twin(model, policy, start=None):

@@ -759,6 +759,27 @@ def test_diagnose_offers_the_torch_candidates():
 
 
 @pytest.mark.backends("torch")
+def test_measuring_again_after_the_traced_step_with_steps_per_execution():
+    # The twins of a model with the traced step installed get it too, with the model's
+    # steps_per_execution (which Keras' own torch step refuses): a second accelerate and
+    # diagnose measure the model as it trains, where both once failed ("must be 1").
+    from keras_perf._fit_measure import make_twin
+    from keras_perf.train_step import torch_traced
+
+    model = _mlp()
+    _apply.apply(model, {"traced_step": True, "steps_per_execution": 4})
+    twin = make_twin(model)
+    assert twin.steps_per_execution == 4 and torch_traced.traced_step_state(twin)["active"]
+    x, y = _data(256)
+    r = kp.accelerate(model, x, y, batch_size=32, max_seconds=2)
+    base = next(row for row in r.rows if row["settings"] == {})
+    assert base["examples_per_s"] is not None, str(r)
+    assert model.steps_per_execution == 4 and torch_traced.traced_step_state(model)["active"]
+    d = kp.diagnose(model, x, y, batch_size=32, steps=8, max_seconds=2)
+    assert d.examples_per_s > 0
+
+
+@pytest.mark.backends("torch")
 def test_a_rebuilt_model_runs_after_the_traced_step_with_steps_per_execution():
     # Keras' torch backend refuses steps_per_execution > 1: the models keras-perf rebuilds
     # from the compile config (kp.loss_scaled, fit_with_oom_retry's rungs) get 1, and run.

@@ -185,3 +185,37 @@ def test_a_half_dtype_far_slower_than_float32_is_timed_once():
     assert len(calls) == 1 and cost >= 0.02 and wall > 0
     precision._time_calls(slow, True, 0.0, 2, give_up_s=1.0)
     assert len(calls) == 1 + 3  # warm-up and two timed calls where it is not far slower
+
+
+def _draws():
+    """One draw from each random source a `fit` may shuffle or initialise with."""
+    import random
+
+    import numpy as np
+
+    backend = keras.backend.backend()
+    if backend == "torch":
+        import torch
+
+        native = float(torch.rand(1))
+    elif backend == "tensorflow":
+        import tensorflow as tf
+
+        native = float(tf.random.uniform(()))
+    else:
+        native = 0.0  # JAX keeps no global random state
+    return random.random(), float(np.random.rand()), native, float(keras.random.uniform(()))
+
+
+def test_measuring_the_kernels_draws_from_no_global_random_source(monkeypatch):
+    # A TrainingMonitor measures the peak FLOP/s at the start of the first fit it watches; on
+    # torch the kernels' inputs came from torch's global generator, so that fit shuffled
+    # otherwise than an unwatched one (weights 0.01 apart after 2 epochs).
+    monkeypatch.setitem(precision._CACHE, "report", None)
+    monkeypatch.setitem(precision._CACHE, "kernels", None)
+    keras.utils.set_random_seed(1)
+    reference = _draws()
+    keras.utils.set_random_seed(1)
+    assert precision.measured_peak_flops("float32") > 0
+    assert precision._CACHE["kernels"] is not None  # measured here, not cached from before
+    assert _draws() == reference

@@ -509,6 +509,26 @@ def test_steps_per_execution_runs_on_the_installed_step_as_one_step_at_a_time(tm
 
 
 @torch_only
+def test_data_the_step_cannot_trace_runs_the_eager_step_without_recursion():
+    # train_on_batch hands the step a None sample weight: not traced, the model's own eager
+    # step runs. With the `traced_step` setting that step once entered the traced one again,
+    # without end (RecursionError, also in kp.find_max_batch_size's probe).
+    x, y = _data((6,))
+    losses = []
+    for traced in (False, True):
+        keras.utils.set_random_seed(1)
+        model = kp.loss_scaled(_mlp(), clipnorm=1.0, traced_step=traced)
+        model.compile(keras.optimizers.Adam(1e-2), keras.losses.SparseCategoricalCrossentropy(from_logits=True))  # fmt: skip
+        losses.append(model.train_on_batch(x[:32], y[:32]))
+        losses.append(model.train_on_batch(x[32:64], y[32:64]))
+    np.testing.assert_allclose(losses[:2], losses[2:], rtol=1e-6)
+    installed = _compiled(_mlp)
+    _traced().install_traced_step(installed)
+    found = kp.find_max_batch_size(installed, x, y, memory_limit_bytes=2**28)
+    assert found.max_batch_size >= 1
+
+
+@torch_only
 def test_callbacks_see_the_same_logs():
     class Record(keras.callbacks.Callback):
         def __init__(self):

@@ -404,6 +404,13 @@ def _run(model, source, max_seconds, exact, apply, notes, per_batch=None, epoch_
             f"steps_per_epoch you give fit should be a multiple of {spe} (else each epoch "
             "runs on to the next multiple)."
         )
+        if keras.backend.backend() == "torch":
+            notes.append(
+                f"steps_per_execution={spe} on torch: where an epoch's steps are not a multiple "
+                f"of {spe} (other data or another batch size than measured here), Keras' torch "
+                "epoch iterator warns 'Your input ran out of data' at each epoch's end; the "
+                "training is right."
+            )
         if per_batch is None:
             notes.append(
                 f"steps_per_execution={spe}: Keras calls callbacks' batch-level methods once "

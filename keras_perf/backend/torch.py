@@ -305,13 +305,16 @@ def kernel_op(op: str, dtype: str, size: int):
     available), returning once the result exists. Raises where the dtype has no kernel."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dt = getattr(torch, dtype)
+    # A generator of its own: torch's global one is what the next `fit` shuffles with (a
+    # `TrainingMonitor` measures these kernels at the start of the first fit it watches).
+    g = torch.Generator(device=device).manual_seed(0)
     if op == "matmul":
-        a = torch.rand(size, size, device=device).to(dt)
-        b = torch.rand(size, size, device=device).to(dt)
+        a = torch.rand(size, size, device=device, generator=g).to(dt)
+        b = torch.rand(size, size, device=device, generator=g).to(dt)
         fn = torch.matmul
     else:
-        a = torch.rand(16, 64, size, size, device=device).to(dt)
-        b = torch.rand(64, 64, 3, 3, device=device).to(dt)
+        a = torch.rand(16, 64, size, size, device=device, generator=g).to(dt)
+        b = torch.rand(64, 64, 3, 3, device=device, generator=g).to(dt)
 
         def fn(x, k):
             return torch.nn.functional.conv2d(x, k, padding=1)

@@ -150,7 +150,7 @@ def _kept(value) -> bool:
     return isinstance(value, str) and value == _KEEP
 
 
-def _installed_traced_step(model) -> bool | str:
+def installed_traced_step(model) -> bool | str:
     """The traced step installed on a plain `model` (`install_traced_step`, as `kp.accelerate`
     applies it) as a `traced_step` setting: `True`, `"inductor"`, or `False` where none is
     installed (or it fell back, or the model was compiled again)."""
@@ -252,7 +252,7 @@ def loss_scaled(
     remat, remat_threshold = check_remat(None if _kept(remat) else remat, remat_threshold)
     check_remat_names(model, remat)
     if _kept(traced_step):  # a traced step installed on the plain model is kept
-        values["traced_step"] = _installed_traced_step(model)
+        values["traced_step"] = installed_traced_step(model)
     if not isinstance(model, keras.Sequential) and not keras_internals.is_functional(model):
         raise TypeError(
             f"kp.loss_scaled() takes Sequential and Functional models; {type(model).__name__} is "

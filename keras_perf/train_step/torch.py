@@ -99,6 +99,10 @@ class TrainStep(TrainStepBase):
             traced = torch_traced.traced_step_for(self, inductor=self._traced_step == "inductor")
             if traced.reason is None:
                 return traced(data)
+        return self._kp_eager_step(data)
+
+    def _kp_eager_step(self, data):
+        """keras-perf's step run eagerly (what the traced step runs for data it cannot trace)."""
         with training_step():
             return self._kp_train_step(data)
 

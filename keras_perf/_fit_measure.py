@@ -25,6 +25,14 @@ from keras_perf import backend as _backend
 from keras_perf._carry_over import keep_train_step
 from keras_perf._utils import host_copy
 
+# torch.compile (Keras' `jit_compile=True`, inductor under keras-perf's traced step) is
+# measured only with a budget of at least this many seconds: its first compile takes tens of
+# seconds to minutes on a CPU.
+TORCH_COMPILE_MIN_SECONDS = 30
+# `steps_per_execution` tried with keras-perf's traced step on torch (Keras refuses it alone;
+# the installed traced step runs it), the first that divides an epoch's steps.
+TORCH_SPE = (4, 3, 2)
+
 COMPILE_KEYS = (
     "optimizer",
     "loss",

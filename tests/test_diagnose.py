@@ -115,8 +115,8 @@ def test_sleeping_input_is_input_bound_and_workers_help(digits, tmp_path):
     assert workers["speedup"] > 1.1, str(d)
     speedups = [w["speedup"] for w in d.what_if]
     assert speedups == sorted(speedups, reverse=True)
-    if BACKEND == "torch":
-        assert not any("steps_per_execution" in c for c in changes)
+    if BACKEND == "torch":  # Keras refuses it alone on torch; keras-perf's traced step runs it
+        assert not any(c.startswith("steps_per_execution") for c in changes)
     assert not any(c.startswith("batch_size") for c in changes)  # batches come made
     # The dataset's own settings are put back.
     assert data.workers == 1
@@ -609,8 +609,8 @@ def test_tiny_step_is_host_bound_and_model_untouched(digits):
         spe = [w for w in d.what_if if w["change"].startswith("steps_per_execution")]
         assert spe and spe[0]["speedup"] > 1.0, str(d)
         assert spe[0]["how"].startswith("model.compile(..., steps_per_execution=")
-    else:
-        assert not any("steps_per_execution" in w["change"] for w in d.what_if)
+    else:  # Keras refuses it alone on torch; offered with keras-perf's traced step
+        assert not any(w["change"].startswith("steps_per_execution") for w in d.what_if)
     # Untouched: every variable bitwise, compile settings, optimizer object, history.
     after = _variables(model)
     assert len(before) == len(after)

@@ -346,6 +346,25 @@ def test_a_model_with_control_flow_on_values_falls_back_with_the_reason():
     _same(h1, h2, plain, traced)  # Keras' own step trained it
 
 
+@torch_only
+def test_a_step_that_fell_back_keeps_running_steps_per_execution():
+    # Keras' own torch functions refuse steps_per_execution > 1: a step installed with it
+    # that fell back runs each batch of an execution plain, in this fit and the next ones.
+    x, y = _data((6,))
+    plain, traced = _compiled(_Branchy), _compiled(_Branchy)
+    _traced().install_traced_step(traced)
+    traced.steps_per_execution = 2
+    h1 = plain.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0).history
+    with pytest.warns(kp.KerasPerfWarning, match="cannot use keras-perf's traced train step"):
+        traced.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    h2 = traced.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0).history
+    assert not _traced().traced_step_state(traced)["active"]
+    np.testing.assert_allclose(h1["loss"][1], h2["loss"][0], rtol=1e-5)
+    _close(plain.get_weights(), traced.get_weights())
+    _close(plain.evaluate(x, y, verbose=0), traced.evaluate(x, y, verbose=0))
+    _close(plain.predict(x, verbose=0), traced.predict(x, verbose=0))
+
+
 class _OwnStep(keras.Sequential):
     """A model whose class overrides `train_step` (an extra log, a count of its calls)."""
 

@@ -17,17 +17,18 @@ from __future__ import annotations
 import keras
 
 from keras_perf import backend as _backend
-from keras_perf._fit_measure import compile_twin, make_twin, policy_twin
+from keras_perf._fit_measure import (
+    TORCH_COMPILE_MIN_SECONDS,
+    TORCH_SPE,
+    compile_twin,
+    make_twin,
+    policy_twin,
+)
 from keras_perf.acceleration import _apply
 from keras_perf.acceleration._apply import NOT_AVAILABLE, Unavailable, torch_traced
 
 # `steps_per_execution` values tried (capped by the steps of one measurement).
 SPE_VALUES = (4, 16, 64)
-# `steps_per_execution` paired with keras-perf's traced step on torch (Keras' torch backend
-# refuses it; the installed traced step runs it): the first that divides an epoch's steps.
-TORCH_SPE = (4, 3, 2)
-# torch.compile is tried only with a budget of at least this many seconds.
-TORCH_COMPILE_MIN_SECONDS = 30
 
 
 class Candidate:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import keras
 
 from keras_perf import backend as _backend
-from keras_perf._fit_measure import compile_twin
+from keras_perf._fit_measure import TORCH_COMPILE_MIN_SECONDS, TORCH_SPE, compile_twin
 
 
 class Change:
@@ -368,7 +368,7 @@ def _torch_traced_step(ctx, notes) -> Change | None:
             trace_factor=4.0,  # traced once per input signature
         )
     ]
-    k = TORCH_SPE
+    k = TORCH_SPE[0]
     if ctx.steps >= 2 * k:  # fit's loop and the callbacks once per k steps
 
         def install_with_spe():
@@ -389,11 +389,6 @@ def _torch_traced_step(ctx, notes) -> Change | None:
         )
     return changes
 
-
-# torch.compile is measured only with a budget of at least this many seconds.
-TORCH_COMPILE_MIN_SECONDS = 30
-# `steps_per_execution` with keras-perf's traced step on torch (Keras refuses it alone).
-TORCH_SPE = 4
 
 # The changes in the order they are offered (and their notes written). Data-side changes touch
 # the input or the batch; compile-side ones recompile the twin, which needs a clone of the model.

@@ -231,9 +231,8 @@ class _TracedStep:
         the other and returns the last step's logs, as Keras' JAX trainer does."""
         model = self.model
         self.lists_key = None  # the variables are read again at this fit's first step
-        if not self.check_compiled():
-            return type(model).make_train_function(model, force)
-        if self.installed and _steps_per_execution(model) > 1:
+        active = self.check_compiled()
+        if self._runs_executions():  # also once fallen back: each batch then runs plain
             if model.train_function is None or force:
 
                 def multi_step(data):
@@ -243,6 +242,8 @@ class _TracedStep:
 
                 model.train_function = multi_step
             return model.train_function
+        if not active:
+            return type(model).make_train_function(model, force)
         jit = model.jit_compile
         try:
             model.jit_compile = False
@@ -254,7 +255,8 @@ class _TracedStep:
         """Keras' own, or with `steps_per_execution` N > 1 the N batches one after the other
         (the last step's logs: the metrics accumulate)."""
         model = self.model
-        if not self.check_compiled() or _steps_per_execution(model) == 1:
+        self.check_compiled()
+        if not self._runs_executions():
             return type(model).make_test_function(model, force)
         if model.test_function is None or force:
 
@@ -271,7 +273,8 @@ class _TracedStep:
         """Keras' own, or with `steps_per_execution` N > 1 the N batches' predictions joined
         along the batch axis."""
         model = self.model
-        if not self.check_compiled() or _steps_per_execution(model) == 1:
+        self.check_compiled()
+        if not self._runs_executions():
             return type(model).make_predict_function(model, force)
         if model.predict_function is None or force:
 
@@ -284,6 +287,16 @@ class _TracedStep:
 
             model.predict_function = multi_predict
         return model.predict_function
+
+    def _runs_executions(self) -> bool:
+        """Whether this step, installed and not compiled over, runs `steps_per_execution` > 1
+        (which Keras' own torch functions refuse), also after falling back."""
+        model = self.model
+        return (
+            self.installed
+            and model.__dict__.get("train_step") is self
+            and _steps_per_execution(model) > 1
+        )
 
     def check_compiled(self) -> bool:
         """False (and the model back to Keras' own step) once the model was compiled again."""

@@ -521,6 +521,13 @@ def test_steps_per_execution_runs_on_the_installed_step_as_one_step_at_a_time(tm
     loaded = keras.saving.load_model(tmp_path / "m.keras")
     assert loaded.steps_per_execution == 1
     loaded.fit(x, y, batch_size=BATCH, verbose=0)
+    # Raised after a fit with 1 (Keras' one-step functions cached): whole executions run.
+    m1.steps_per_execution = 4
+    iterations = int(m1.optimizer.iterations)
+    m1.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    assert int(m1.optimizer.iterations) == iterations + 4
+    assert m1.evaluate(x, y, batch_size=25, verbose=0, return_dict=True).keys() == ev1.keys()
+    assert m1.predict(x, batch_size=25, verbose=0).shape == (N, 3)
     # Removed: back to 1, which Keras' own step runs.
     _traced().remove_traced_step(m2)
     assert m2.steps_per_execution == 1

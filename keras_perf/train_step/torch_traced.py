@@ -161,6 +161,19 @@ def _steps_per_execution(model) -> int:
     return int(getattr(model, "steps_per_execution", 1) or 1)
 
 
+def _mark(fn):
+    """`fn`, marked as one of the installed step's functions that run whole executions."""
+    fn._kp_executions = True
+    return fn
+
+
+def _ours(fn) -> bool:
+    """Whether Keras' cached `fn` runs whole executions: one Keras made for one step per
+    call (before `steps_per_execution` was raised) would run only each execution's first
+    batch, and is made again."""
+    return getattr(fn, "_kp_executions", False)
+
+
 def traced_step_state(model: keras.Model) -> dict:
     """Whether the traced step applies to `model`, and if not, why.
 
@@ -233,14 +246,14 @@ class _TracedStep:
         self.lists_key = None  # the variables are read again at this fit's first step
         active = self.check_compiled()
         if self._runs_executions():  # also once fallen back: each batch then runs plain
-            if model.train_function is None or force:
+            if not _ours(model.train_function) or force:
 
                 def multi_step(data):
                     for batch in data:
                         logs = model.train_step(batch)
                     return logs
 
-                model.train_function = multi_step
+                model.train_function = _mark(multi_step)
             return model.train_function
         if not active:
             return type(model).make_train_function(model, force)
@@ -258,7 +271,7 @@ class _TracedStep:
         self.check_compiled()
         if not self._runs_executions():
             return type(model).make_test_function(model, force)
-        if model.test_function is None or force:
+        if not _ours(model.test_function) or force:
 
             def multi_test(data):
                 with torch.no_grad():
@@ -266,7 +279,7 @@ class _TracedStep:
                         logs = model.test_step(batch)
                 return logs
 
-            model.test_function = multi_test
+            model.test_function = _mark(multi_test)
         return model.test_function
 
     def make_predict_function(self, force=False):
@@ -276,7 +289,7 @@ class _TracedStep:
         self.check_compiled()
         if not self._runs_executions():
             return type(model).make_predict_function(model, force)
-        if model.predict_function is None or force:
+        if not _ours(model.predict_function) or force:
 
             def multi_predict(data):
                 with torch.no_grad():
@@ -285,7 +298,7 @@ class _TracedStep:
                     return outputs[0]
                 return keras.tree.map_structure(lambda *t: torch.cat(t), *outputs)
 
-            model.predict_function = multi_predict
+            model.predict_function = _mark(multi_predict)
         return model.predict_function
 
     def _runs_executions(self) -> bool:

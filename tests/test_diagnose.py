@@ -544,7 +544,7 @@ def test_a_peak_from_earlier_work_does_not_hold_the_larger_batch_back(digits, mo
     monkeypatch.setattr(_backend, "reset_peak_memory", lambda: False)
     _only(monkeypatch, "batch_size")
     (x, y), _ = digits
-    d = kp.diagnose(small_mlp(), x, y, batch_size=32, steps=6, max_seconds=8)
+    d = kp.diagnose(small_mlp(), x, y, batch_size=32, steps=6, max_seconds=30)
     assert "batch_size=64" in [w["change"] for w in d.what_if], (str(d), d.notes)
     assert d.peak_memory_bytes is None
     assert any(n.startswith("peak accelerator memory not known") for n in d.notes), d.notes
@@ -581,7 +581,7 @@ def test_a_larger_batch_that_runs_out_of_memory_is_micro_batched(digits, monkeyp
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         run_eagerly=BACKEND == "tensorflow",
     )
-    d = kp.diagnose(model, x, y, batch_size=32, steps=6, max_seconds=8)
+    d = kp.diagnose(model, x, y, batch_size=32, steps=6, max_seconds=30)
     changes = [w["change"] for w in d.what_if]
     assert "batch_size=64" not in changes, str(d)
     assert "batch_size=64, micro-batched (microbatches=2)" in changes, (str(d), d.notes)

@@ -31,7 +31,7 @@ BACKEND_ONLY = {
     for package in ("backend", "train_step")
     for backend in ("jax", "tensorflow", "torch")
 }
-for _module in ("torch_traced", "_torch_kp_step"):
+for _module in ("torch_traced", "_torch_kp_step", "_torch_executions"):
     BACKEND_ONLY[f"keras_perf.train_step.{_module}"] = (
         ("torch",),
         "the PyTorch backend's traced step",

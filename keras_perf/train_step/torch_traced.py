@@ -46,12 +46,8 @@ keras-perf's own step with the reason.
 elementwise work (Adam, metrics) into a few C++ kernels, which pays on an MLP, and costs
 seconds of compilation per input signature (see docs/accelerate.md for the measurements).
 
-An installed step also runs `steps_per_execution > 1`, which Keras' torch backend refuses:
-Keras' `fit`, `evaluate` and `predict` then hand over N batches at a time (as on TensorFlow
-and JAX) and the step runs them one after the other, so `fit`'s loop and the callbacks' batch
-methods run once per N steps. `kp.accelerate` sets it on the model (not in its compile
-config: a saved or rebuilt model is plain Keras, which cannot run it); `remove_traced_step`
-sets it back to 1.
+An installed step also runs `steps_per_execution > 1`, which Keras' torch backend refuses
+(`_torch_executions.py`); `remove_traced_step` sets it back to 1.
 """
 
 from __future__ import annotations
@@ -75,6 +71,7 @@ from keras_perf._keras_internals import (  # noqa: E402
     torch_spatial_transposes_as_views,
 )
 from keras_perf._utils import KerasPerfWarning  # noqa: E402
+from keras_perf.train_step import _torch_executions as executions  # noqa: E402
 from keras_perf.train_step._base import TrainStepBase  # noqa: E402
 from keras_perf.train_step._torch_kp_step import _detached, _kp_update, _SplitStep  # noqa: E402
 
@@ -142,7 +139,7 @@ def remove_traced_step(model: keras.Model) -> None:
     installed = model.__dict__.get(_ATTR)
     _uninstall(model)
     model.__dict__.pop(_ATTR, None)
-    if installed is not None and installed.installed and _steps_per_execution(model) > 1:
+    if installed is not None and installed.installed and executions.steps_per_execution(model) > 1:
         model.steps_per_execution = 1
 
 
@@ -155,23 +152,6 @@ def _uninstall(model) -> None:
     for name in ("train_step", *_HOOKS):
         model.__dict__.pop(name, None)
     model.train_function = model.test_function = model.predict_function = None
-
-
-def _steps_per_execution(model) -> int:
-    return int(getattr(model, "steps_per_execution", 1) or 1)
-
-
-def _mark(fn):
-    """`fn`, marked as one of the installed step's functions that run whole executions."""
-    fn._kp_executions = True
-    return fn
-
-
-def _ours(fn) -> bool:
-    """Whether Keras' cached `fn` runs whole executions: one Keras made for one step per
-    call (before `steps_per_execution` was raised) would run only each execution's first
-    batch, and is made again."""
-    return getattr(fn, "_kp_executions", False)
 
 
 def traced_step_state(model: keras.Model) -> dict:
@@ -246,15 +226,7 @@ class _TracedStep:
         self.lists_key = None  # the variables are read again at this fit's first step
         active = self.check_compiled()
         if self._runs_executions():  # also once fallen back: each batch then runs plain
-            if not _ours(model.train_function) or force:
-
-                def multi_step(data):
-                    for batch in data:
-                        logs = model.train_step(batch)
-                    return logs
-
-                model.train_function = _mark(multi_step)
-            return model.train_function
+            return executions.function(model, "train", force)
         if not active:
             return type(model).make_train_function(model, force)
         jit = model.jit_compile
@@ -264,52 +236,24 @@ class _TracedStep:
         finally:
             model.jit_compile = jit
 
-    def make_test_function(self, force=False):
-        """Keras' own, or with `steps_per_execution` N > 1 the N batches one after the other
-        (the last step's logs: the metrics accumulate)."""
+    def make_test_function(self, force=False):  # Keras' own, or whole executions
+        return self._made("test", force)
+
+    def make_predict_function(self, force=False):  # Keras' own, or whole executions
+        return self._made("predict", force)
+
+    def _made(self, kind, force):
         model = self.model
         self.check_compiled()
-        if not self._runs_executions():
-            return type(model).make_test_function(model, force)
-        if not _ours(model.test_function) or force:
-
-            def multi_test(data):
-                with torch.no_grad():
-                    for batch in data:
-                        logs = model.test_step(batch)
-                return logs
-
-            model.test_function = _mark(multi_test)
-        return model.test_function
-
-    def make_predict_function(self, force=False):
-        """Keras' own, or with `steps_per_execution` N > 1 the N batches' predictions joined
-        along the batch axis."""
-        model = self.model
-        self.check_compiled()
-        if not self._runs_executions():
-            return type(model).make_predict_function(model, force)
-        if not _ours(model.predict_function) or force:
-
-            def multi_predict(data):
-                with torch.no_grad():
-                    outputs = [model.predict_step(batch) for batch in data]
-                if len(outputs) == 1:
-                    return outputs[0]
-                return keras.tree.map_structure(lambda *t: torch.cat(t), *outputs)
-
-            model.predict_function = _mark(multi_predict)
-        return model.predict_function
+        if self._runs_executions():
+            return executions.function(model, kind, force)
+        return getattr(type(model), f"make_{kind}_function")(model, force)
 
     def _runs_executions(self) -> bool:
         """Whether this step, installed and not compiled over, runs `steps_per_execution` > 1
         (which Keras' own torch functions refuse), also after falling back."""
-        model = self.model
-        return (
-            self.installed
-            and model.__dict__.get("train_step") is self
-            and _steps_per_execution(model) > 1
-        )
+        m = self.model
+        return self.installed and m.__dict__.get("train_step") is self and m.steps_per_execution > 1
 
     def check_compiled(self) -> bool:
         """False (and the model back to Keras' own step) once the model was compiled again."""

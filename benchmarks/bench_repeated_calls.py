@@ -105,18 +105,38 @@ def one_call(tool: str, model, x, y, what_if: bool = False):
             raise ValueError(f"unknown tool {tool!r}; choose from {TOOLS}")
 
 
+def _twins_kept() -> int | None:
+    """How many twins `kp.accelerate` keeps for the next call (acceleration/_pool.py)."""
+    from keras_perf.acceleration import _pool
+
+    pool = _pool._LAST[0]
+    return None if pool is None else sum(len(v) for v in pool.twins.values())
+
+
 def measure(tool: str, calls: int = 20, what_if: bool = False) -> dict:
-    """RSS after each of `calls` calls of `tool` on one model; the growth over the second half."""
+    """RSS after each of `calls` calls of `tool` on one model; the growth over the second half.
+
+    For `accelerate`, also the twins it keeps after each call and the growth over the second
+    half's calls that made no new twin: a call meets a pair of settings it has not timed
+    before where what paid differs from the calls before (the pairs follow the measurement),
+    and makes and keeps one twin for it (one per candidate at most: a bounded step)."""
     model, (x, y) = small_model(), data()
     model.fit(x, y, batch_size=32, epochs=1, verbose=0)
     before = rss()
-    after = []
+    after, kept = [], []
     for _ in range(calls):
         one_call(tool, model, x, y, what_if)
         after.append(rss())
+        if tool == "accelerate":
+            kept.append(_twins_kept())
     half = calls // 2
     growth = after[-1] - after[half - 1]
+    extra = {}
+    if kept:
+        steady = sum(after[i] - after[i - 1] for i in range(half, calls) if kept[i] == kept[i - 1])
+        extra = {"twins_kept": kept, "growth_without_new_twins_mib": round(steady / MIB, 2)}
     return {
+        **extra,
         "tool": tool,
         "calls": calls,
         "rss_before_mib": round(before / MIB, 1),

@@ -107,7 +107,7 @@ def unbuilt_start(model, x_batch):
         return x_batch, built.get_weights()
 
 
-def _start_weights(model, twin, start) -> None:
+def start_weights(model, twin, start) -> None:
     """`model`'s weights on `twin`; `start`'s (built on its batch first) for a model not
     built yet."""
     if start is None:
@@ -129,7 +129,7 @@ def make_twin(model, start=None):
         except Exception:  # subclassed without get_config, custom layers, ...
             return None
         try:
-            _start_weights(model, twin, start)
+            start_weights(model, twin, start)
         except ValueError:
             return None
         twin = keep_train_step(model, twin)
@@ -172,7 +172,7 @@ def policy_twin(model, policy, start=None):
 
         with _backend.model_scope(model):
             twin = clone(model, clone_function=clone_layer)
-            _start_weights(model, twin, start)
+            start_weights(model, twin, start)
             twin = keep_train_step(model, twin)
     finally:
         keras.mixed_precision.set_global_policy(previous)

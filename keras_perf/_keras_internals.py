@@ -287,6 +287,18 @@ def set_learning_rate_source(optimizer, value) -> None:
     optimizer._learning_rate = value
 
 
+def set_keras_seed(seed) -> None:
+    """The Keras part of `keras.utils.set_random_seed(seed)` (Keras 3.8-3.15: the global seed
+    in `global_state` and the global `SeedGenerator` dropped, to be made again from it), for
+    `backend.set_random_seed`, which seeds the rest itself."""
+    from keras.src.backend.common import global_state
+    from keras.src.random import seed_generator
+    from keras.src.utils import rng_utils
+
+    global_state.set_global_attribute(rng_utils.GLOBAL_RANDOM_SEED, seed)
+    global_state.set_global_attribute(seed_generator.GLOBAL_SEED_GENERATOR, None)
+
+
 @contextlib.contextmanager
 def torch_spatial_transposes_as_views():
     """Within it, Keras' torch backend hands convolutions and poolings a channels-first view of

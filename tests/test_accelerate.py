@@ -225,6 +225,118 @@ def test_each_candidate_is_cloned_once_and_checked_before_it_is_timed(monkeypatc
             assert kinds[0] == "checked"
 
 
+@pytest.mark.slow  # three calls: 10-20 s
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_a_second_call_reuses_its_twins_and_they_start_as_fresh_ones(monkeypatch, dropout):
+    # Issue 41 (memory over repeated calls): the twins of a call are kept for the next call on
+    # the same model, reset and fitted again with the functions they traced (on TensorFlow a
+    # fresh twin left 10-12 MiB a call behind). A reused twin must start where a fresh one
+    # does: the model's weights now (trained on between the calls) and a fresh optimizer.
+    import keras_perf.acceleration as acceleration
+    from keras_perf.acceleration import _candidates, _pool
+
+    clones, checks, current = [], {}, []
+    real_train, real_check = _exact.train_twin, acceleration._Exactness.check
+
+    def counted(real):
+        def clone(*args):
+            twin = real(*args)
+            clones.append(twin)
+            return twin
+
+        return clone
+
+    def check(self, candidate, twin):
+        current[:] = [candidate.name]
+        return real_check(self, candidate, twin)
+
+    def trained(twin, data, batch_size):
+        opt = [keras.ops.convert_to_numpy(v.value).copy() for v in twin.optimizer.variables]
+        checks[current[0]] = (twin.get_weights(), opt)
+        return real_train(twin, data, batch_size)
+
+    monkeypatch.setattr(_candidates, "make_twin", counted(_candidates.make_twin))
+    monkeypatch.setattr(_candidates, "policy_twin", counted(_candidates.policy_twin))
+    monkeypatch.setattr(acceleration._Exactness, "check", check)
+    monkeypatch.setattr(_exact, "train_twin", trained)
+    _pool.release()
+    model = _mlp(dropout=dropout)
+    x, y = _data()
+
+    def call():
+        clones.clear(), checks.clear()
+        r = kp.accelerate(model, x, y, batch_size=32, max_seconds=0.5, apply=False)
+        names = {row["candidate"] for row in r.rows}
+        diffs = {
+            row["candidate"]: row["max_abs_diff"] for row in r.rows if row["exact"] is not None
+        }
+        return names, diffs, len(clones), dict(checks)
+
+    first, _, made_first, _ = call()
+    model.fit(x, y, epochs=1, verbose=0)  # the user trains on between the calls
+    trained_weights = model.get_weights()
+    second, reused_diffs, made_second, reused_checks = call()
+    _pool.release()
+    _, fresh_diffs, made_fresh, fresh_checks = call()
+
+    assert made_first > 0 and made_fresh > 0
+    assert made_second <= len(second - first)  # only a pair new to this call is made
+    # The pairs vary with what paid in each call: the candidates both calls checked.
+    common = set(reused_checks) & set(fresh_checks)
+    assert "model's own settings" in common and len(common) >= 2
+    for name in common:
+        (w_reused, opt_reused), (w_fresh, opt_fresh) = reused_checks[name], fresh_checks[name]
+        for a, b, c in zip(w_reused, w_fresh, trained_weights):
+            np.testing.assert_array_equal(a, c)
+            np.testing.assert_array_equal(b, c)
+        assert len(opt_reused) == len(opt_fresh)
+        for a, b in zip(opt_reused, opt_fresh):
+            np.testing.assert_array_equal(a, b)  # iterations 0, slots as a fresh optimizer's
+        assert reused_diffs[name] == fresh_diffs[name]  # the same exactness check
+
+
+def test_kept_twins_go_with_a_recompile_a_change_of_the_model_or_the_model_itself():
+    # What a kept twin was made from must not have changed, or it is made anew.
+    import gc
+
+    from keras_perf.acceleration import _pool
+
+    _pool.release()
+    model = _mlp()
+    x, y = _data(64)
+    model.fit(x, y, epochs=1, verbose=0)
+    first = _pool.pool_for(model, compile_args(model))
+    assert first.signature is not None
+    assert _pool.pool_for(model, compile_args(model)) is first  # nothing changed
+    model.optimizer.learning_rate = 0.5
+    changed = _pool.pool_for(model, compile_args(model))
+    assert changed is not first
+    model.layers[0].trainable = False
+    frozen = _pool.pool_for(model, compile_args(model))
+    assert frozen is not changed
+    model.compile("adam", SCE)  # a recompile: a new compile config
+    recompiled = _pool.pool_for(model, compile_args(model))
+    assert recompiled is not frozen
+    other = _mlp()
+    other.fit(x, y, epochs=1, verbose=0)
+    assert _pool.pool_for(other, compile_args(other)) is not recompiled  # one model at a time
+    del other
+    gc.collect()
+    assert _pool._LAST[0] is None  # released with the model
+
+
+def test_twins_past_the_budget_are_not_kept(monkeypatch):
+    from keras_perf.acceleration import _pool
+
+    _pool.release()
+    model = _mlp()
+    x, y = _data()
+    monkeypatch.setattr(_pool, "MAX_BYTES", 1)
+    kp.accelerate(model, x, y, batch_size=32, max_seconds=0.3, apply=False)
+    pool = _pool._LAST[0]
+    assert pool is not None and pool.twins == {} and pool.bytes == 0
+
+
 @pytest.mark.slow
 def test_not_exact_levers_are_listed_never_applied():
     model = _mlp()

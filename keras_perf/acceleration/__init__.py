@@ -18,7 +18,7 @@ from keras_perf import backend as _backend
 from keras_perf._inputs import check_fit_data, check_no_ignored_settings
 from keras_perf._inputs import sources as _data
 from keras_perf._utils import KerasPerfWarning, check_bool, check_int, check_number
-from keras_perf.acceleration import _apply, _callbacks, _candidates, _exact, _measure
+from keras_perf.acceleration import _apply, _callbacks, _candidates, _exact, _measure, _pool
 from keras_perf.acceleration._report import Acceleration
 
 __all__ = ["Acceleration", "accelerate"]
@@ -43,6 +43,7 @@ class _Context:
         self.examples = examples
         self.epoch_steps = epoch_steps  # steps of one epoch of the user's fit (None: unknown)
         self.start = None  # a model not built yet: the batch and weights every twin starts from
+        self.twins = _pool.pool_for(model, self.compile_args)  # kept from the last call
 
     def epoch(self, batch_size):
         """(steps, examples) of one epoch of the user's fit at `batch_size`; where the epoch's
@@ -181,6 +182,7 @@ def accelerate(
     try:
         return _run(model, source, float(max_seconds), exact, apply, notes, per_batch, epoch_known)
     finally:
+        _pool.finish(model)
         rng.restore()
 
 
@@ -197,8 +199,9 @@ def _batch_size(source) -> int:
 def _entry(ctx, candidate, fit_kwargs, rows_out, checker, checks):
     """The candidate's twin, checked for exactness (`checks[id(entry)]`; the baseline's twin
     becomes the reference) and warmed up; None (and a row saying why) where it cannot run."""
+    twin = None
     try:
-        twin = candidate.make()
+        twin = ctx.twins.make(ctx, candidate)
         epoch_steps, epoch_examples = ctx.epoch(candidate.batch_size)
         known = ctx.examples is not None or ctx.epoch_steps is not None
         steps = _measure.plan(epoch_steps if known else None, candidate.steps_multiple)
@@ -215,6 +218,8 @@ def _entry(ctx, candidate, fit_kwargs, rows_out, checker, checks):
         rows_out.append(_row(candidate, None, None, None, note=str(e)))
     except Exception as e:  # noqa: BLE001 - a candidate that fails is listed, not fatal
         rows_out.append(_row(candidate, None, None, None, note=f"failed: {e}"[:200]))
+    if twin is not None:
+        ctx.twins.forget(twin)
     return None
 
 
@@ -529,7 +534,7 @@ class _Exactness:
             return None, None
         try:
             if self.own_twins:
-                twin = candidate.make()
+                twin = self.ctx.twins.make(self.ctx, candidate, role="check")
             self._train(twin)
             if is_base:
                 self.reference = _exact.Snapshot(twin, self.data, self.B, self.skip)

@@ -86,7 +86,7 @@ def train_twin(twin, data, batch_size) -> None:
     xs, ys, sws = data
     rng = RandomState()
     try:
-        keras.utils.set_random_seed(1234)
+        _backend.set_random_seed(1234)  # keeps TensorFlow's kernel caches (backend/)
         kw = _backend.array_fit_kwargs(twin, xs, ys, sws, batch_size, shuffle=False)
         twin.fit(**kw, epochs=1, verbose=0)
     finally:

@@ -47,6 +47,9 @@ Interface (every implementation module provides these names):
   torch and TensorFlow): the framework's global RNG state, which `fit` and `clone_model` draw
   from (TensorFlow: the eager op-seed generator a global seed starts, from which the shuffle
   of Keras' array pipeline takes its seed); elsewhere None and a no-op.
+- ``set_random_seed(seed)`` (optional; TensorFlow): `keras.utils.set_random_seed`, without
+  clearing TensorFlow's kernel caches (which makes every tf.function instantiate again and
+  leaves memory behind each time); elsewhere Keras' own.
 - ``tf_data_has_stage(dataset, name) -> bool`` and ``tf_data_tuned(dataset, cache=False,
   parallel_map=False)``: tf.data pipelines, on every backend (tf.data runs beside any Keras
   backend with TensorFlow installed), so they always come from the ``tensorflow`` module,
@@ -152,6 +155,7 @@ __all__ = [
     "reset_host_peak_memory",
     "reset_peak_memory",
     "set_global_rng_state",
+    "set_random_seed",
     "step_memory",
     "step_memory_unavailable",
     "tf_data_has_stage",
@@ -327,6 +331,8 @@ def epoch_memory(model):
 # seed generators).
 global_rng_state = getattr(_impl, "global_rng_state", lambda: None)
 set_global_rng_state = getattr(_impl, "set_global_rng_state", lambda state: None)
+# `keras.utils.set_random_seed`; TensorFlow's keeps its kernel caches (backend/tensorflow.py).
+set_random_seed = getattr(_impl, "set_random_seed", keras.utils.set_random_seed)
 
 
 def _tf_data(name):

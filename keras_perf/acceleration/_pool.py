@@ -1,0 +1,175 @@
+"""Twins kept from one `accelerate` call to the next on the same model.
+
+Why: every fresh twin's first `fit` traces and compiles its train function, and some of what
+that leaves is never freed. On TensorFlow each program XLA compiles stays for the life of the
+process (6 MiB for a small MLP's `jit_compile=True` train function) and each other trace keeps
+about 0.4 MiB (TF 2.21, Keras 3.15; FACTS.md); a call times about a dozen twins, so a notebook
+calling `accelerate` again and again on one model grew by 11-12 MiB a call. A twin that is
+kept is reset and fitted again with the function it already traced: nothing new is compiled.
+
+A kept twin is reused only where nothing it was made from has changed: the same compile
+(Keras makes a new compile config at every `model.compile`), the same model config, variables
+(paths, shapes, dtypes, trainable), optimizer config, keras-perf train-step settings, installed
+traced step, `jit_compile`/`steps_per_execution`/`run_eagerly` and global dtype policy. It is
+reset to what a fresh twin holds: the values of every variable of it, its optimizer (built when
+the twin was made, as its first `fit` would) and metrics as they were when it was made, then
+the user's current weights.
+
+Bounded: twins are kept for one model at a time (the last one `accelerate` measured; calling
+it on another model, recompiling or changing the model releases them, as does collecting the
+model), one per candidate and role, and only while the kept twins' variables and their host
+copies take at most `MAX_BYTES` together; past that, twins are released after the call as
+before. The candidates are a short list (the pairs among them vary with what paid), so the
+twins kept level off.
+"""
+
+from __future__ import annotations
+
+import json
+import weakref
+
+import keras
+
+from keras_perf import backend as _backend
+from keras_perf._fit_measure import Snapshot, start_weights
+
+# The most the kept twins may hold: their variables' values and the host copies they are reset
+# from (so a 1 MiB float32 model with Adam costs about 6 MiB a twin).
+MAX_BYTES = 64 * 2**20
+
+
+def _signature(model, compile_args):
+    """What a kept twin was made from, or None where it cannot be read (nothing is kept)."""
+    from keras_perf.train_step import LossScaleTrainStep, installed_traced_step, settings
+
+    try:
+        config = json.dumps(model.get_config(), sort_keys=True, default=repr)
+        optimizer = json.dumps(model.optimizer.get_config(), sort_keys=True, default=repr)
+    except Exception:  # noqa: BLE001 - a model without a readable config is not kept
+        return None
+    variables = tuple(
+        (v.path, tuple(v.shape), str(v.dtype), bool(v.trainable)) for v in model.variables
+    )
+    step = repr(sorted(settings(model).items())) if isinstance(model, LossScaleTrainStep) else None
+    traced = installed_traced_step(model) if keras.backend.backend() == "torch" else False
+    own = tuple(repr(compile_args.get(k)) for k in ("jit_compile", "steps_per_execution"))
+    return (
+        config,
+        optimizer,
+        variables,
+        step,
+        traced,
+        own,
+        repr(getattr(model, "run_eagerly", None)),
+        repr(getattr(model, "steps_per_execution", None)),
+        keras.mixed_precision.global_policy().name,
+    )
+
+
+class TwinPool:
+    """The twins made for one model, kept for the calls of `accelerate` on it."""
+
+    def __init__(self, model, compile_config, signature):
+        # The twins go with the model: a pool whose model is collected releases them.
+        self.model = weakref.ref(model, _drop_if_last(id(self)))
+        self.compile_config = compile_config  # held: its identity says "the same compile"
+        self.signature = signature
+        self.twins = {}  # (candidate name, role) -> [(twin, snapshot, bytes)]
+        self.in_use = set()  # ids of the twins this call has taken
+        self.bytes = 0
+
+    def make(self, ctx, candidate, role="timed"):
+        """A twin for `candidate`: a kept one not yet taken by this call, reset to a fresh
+        twin's state; else a new one (kept where the budget allows). `role` tells apart the
+        twins one candidate has in one call (timed; checked at dropout rate 0)."""
+        key = (candidate.name, role)
+        for entry in list(self.twins.get(key, ())):
+            twin, snapshot, _ = entry
+            if id(twin) in self.in_use:
+                continue
+            try:
+                snapshot.restore()
+                start_weights(ctx.model, twin, ctx.start)
+            except Exception:  # noqa: BLE001 - a twin that cannot be reset is made anew
+                self.forget(twin)
+                continue
+            self.in_use.add(id(twin))
+            return twin
+        twin = candidate.make()
+        if self.signature is not None:
+            self._keep(key, twin)
+        return twin
+
+    def _keep(self, key, twin) -> None:
+        optimizer = getattr(twin, "optimizer", None)
+        try:
+            if optimizer is not None and not optimizer.built:
+                # What the twin's first fit would do, so that the fresh slots are in the copy.
+                with _backend.model_scope(twin):
+                    optimizer.build(twin.trainable_variables)
+            snapshot = Snapshot(twin)
+        except Exception:  # noqa: BLE001 - not kept; the twin's first fit builds as usual
+            return
+        size = 2 * sum(value.nbytes for _, value in snapshot.pairs)
+        if self.bytes + size > MAX_BYTES:
+            return
+        self.twins.setdefault(key, []).append((twin, snapshot, size))
+        self.in_use.add(id(twin))
+        self.bytes += size
+
+    def forget(self, twin) -> None:
+        """Not kept: `twin` failed, or could not be reset."""
+        for entries in self.twins.values():
+            for i, entry in enumerate(entries):
+                if entry[0] is twin:
+                    self.bytes -= entry[2]
+                    self.in_use.discard(id(twin))
+                    del entries[i]
+                    return
+
+    def finish(self) -> None:
+        """The end of a call: every kept twin is free for the next."""
+        self.in_use.clear()
+
+
+_LAST: list = [None]  # the pool of the model last measured
+
+
+def _drop_if_last(pool_id):
+    def drop(_ref):
+        if _LAST[0] is not None and id(_LAST[0]) == pool_id:
+            _LAST[0] = None
+
+    return drop
+
+
+def pool_for(model, compile_args) -> TwinPool:
+    """The pool for a call of `accelerate` on `model`: the last call's, where it was on this
+    model made from the same things; else a new one (the old one's twins are released)."""
+    compile_config = getattr(model, "_compile_config", None)  # private; since Keras 3.0
+    signature = _signature(model, compile_args) if compile_config is not None else None
+    last = _LAST[0]
+    if (
+        last is not None
+        and last.model() is model
+        and last.compile_config is compile_config
+        and signature is not None
+        and last.signature == signature
+    ):
+        return last
+    _LAST[0] = None  # released before new twins are made
+    pool = TwinPool(model, compile_config, signature)
+    _LAST[0] = pool
+    return pool
+
+
+def finish(model) -> None:
+    """The end of a call of `accelerate` on `model` (see `TwinPool.finish`)."""
+    last = _LAST[0]
+    if last is not None and last.model() is model:
+        last.finish()
+
+
+def release() -> None:
+    """Release every kept twin (tests; a session that wants the memory back)."""
+    _LAST[0] = None

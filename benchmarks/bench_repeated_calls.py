@@ -117,7 +117,7 @@ def measure(tool: str, calls: int = 20, what_if: bool = False) -> dict:
     """RSS after each of `calls` calls of `tool` on one model; the growth over the second half.
 
     For `accelerate`, also the twins it keeps after each call and the growth over the second
-    half's calls that made no new twin: a call meets a pair of settings it has not timed
+    half's calls that made no new twin (the sum of their rises): a call meets a pair of settings it has not timed
     before where what paid differs from the calls before (the pairs follow the measurement),
     and makes and keeps one twin for it (one per candidate at most: a bounded step)."""
     model, (x, y) = small_model(), data()

@@ -226,8 +226,8 @@ def test_each_candidate_is_cloned_once_and_checked_before_it_is_timed(monkeypatc
 
 
 @pytest.mark.slow  # three calls: 10-20 s
-@pytest.mark.parametrize("dropout", [0.0, 0.3])
-def test_a_second_call_reuses_its_twins_and_they_start_as_fresh_ones(monkeypatch, dropout):
+@pytest.mark.parametrize("dropout, ema", [(0.0, False), (0.3, False), (0.0, True)])
+def test_a_second_call_reuses_its_twins_and_they_start_as_fresh_ones(monkeypatch, dropout, ema):
     # Issue 41 (memory over repeated calls): the twins of a call are kept for the next call on
     # the same model, reset and fitted again with the functions they traced (on TensorFlow a
     # fresh twin left 10-12 MiB a call behind). A reused twin must start where a fresh one
@@ -235,6 +235,11 @@ def test_a_second_call_reuses_its_twins_and_they_start_as_fresh_ones(monkeypatch
     import keras_perf.acceleration as acceleration
     from keras_perf.acceleration import _candidates, _pool
 
+    if ema and BACKEND == "jax":
+        pytest.skip(
+            "Keras 3.15 on JAX: a use_ema model's second fit raises (TypeError in the EMA "
+            "variables' value), so its twins cannot be timed"
+        )
     clones, checks, current = [], {}, []
     real_train, real_check = _exact.train_twin, acceleration._Exactness.check
 
@@ -251,9 +256,9 @@ def test_a_second_call_reuses_its_twins_and_they_start_as_fresh_ones(monkeypatch
         return real_check(self, candidate, twin)
 
     def trained(twin, data, batch_size):
-        opt = [keras.ops.convert_to_numpy(v.value).copy() for v in twin.optimizer.variables]
-        checks[current[0]] = (twin.get_weights(), opt)
-        return real_train(twin, data, batch_size)
+        before = twin.get_weights()
+        real_train(twin, data, batch_size)
+        checks[current[0]] = (before, twin.get_weights())
 
     monkeypatch.setattr(_candidates, "make_twin", counted(_candidates.make_twin))
     monkeypatch.setattr(_candidates, "policy_twin", counted(_candidates.policy_twin))
@@ -261,6 +266,8 @@ def test_a_second_call_reuses_its_twins_and_they_start_as_fresh_ones(monkeypatch
     monkeypatch.setattr(_exact, "train_twin", trained)
     _pool.release()
     model = _mlp(dropout=dropout)
+    if ema:  # the averages start from the weights at the first step, not the last call's
+        model.compile(keras.optimizers.Adam(use_ema=True), SCE, metrics=["accuracy"])
     x, y = _data()
 
     def call():
@@ -285,13 +292,16 @@ def test_a_second_call_reuses_its_twins_and_they_start_as_fresh_ones(monkeypatch
     common = set(reused_checks) & set(fresh_checks)
     assert "model's own settings" in common and len(common) >= 2
     for name in common:
-        (w_reused, opt_reused), (w_fresh, opt_fresh) = reused_checks[name], fresh_checks[name]
-        for a, b, c in zip(w_reused, w_fresh, trained_weights):
+        (start_reused, end_reused), (start_fresh, end_fresh) = (
+            reused_checks[name],
+            fresh_checks[name],
+        )
+        for a, b, c in zip(start_reused, start_fresh, trained_weights):
             np.testing.assert_array_equal(a, c)
             np.testing.assert_array_equal(b, c)
-        assert len(opt_reused) == len(opt_fresh)
-        for a, b in zip(opt_reused, opt_fresh):
-            np.testing.assert_array_equal(a, b)  # iterations 0, slots as a fresh optimizer's
+        # A stale optimizer (iterations, Adam's slots, the averages) would train them apart.
+        for a, b in zip(end_reused, end_fresh):
+            np.testing.assert_array_equal(a, b)
         assert reused_diffs[name] == fresh_diffs[name]  # the same exactness check
 
 
@@ -323,6 +333,26 @@ def test_kept_twins_go_with_a_recompile_a_change_of_the_model_or_the_model_itsel
     del other
     gc.collect()
     assert _pool._LAST[0] is None  # released with the model
+
+
+def test_a_kept_twins_optimizer_is_reset_to_a_fresh_ones_values():
+    # For a twin whose optimizer was built after it was copied (by its first fit).
+    from keras_perf.acceleration import _pool
+
+    model = _mlp()
+    model.compile(keras.optimizers.Adam(use_ema=True), SCE)
+    x, y = _data(64)
+    model.fit(x, y, epochs=2, verbose=0)
+    opt = model.optimizer
+    assert int(keras.ops.convert_to_numpy(opt.iterations)) > 0
+    _pool._fresh_optimizer_state(model)
+    fresh = keras.optimizers.Adam(use_ema=True)
+    fresh.build(model.trainable_variables)
+    values = [keras.ops.convert_to_numpy(v.value) for v in opt.variables]
+    assert len(values) == len(fresh.variables)
+    for a, b in zip(values, fresh.variables):
+        np.testing.assert_array_equal(a, keras.ops.convert_to_numpy(b.value))
+    assert int(keras.ops.convert_to_numpy(opt.iterations)) == 0
 
 
 def test_twins_past_the_budget_are_not_kept(monkeypatch):

@@ -11,9 +11,10 @@ A kept twin is reused only where nothing it was made from has changed: the same 
 (Keras makes a new compile config at every `model.compile`), the same model config, variables
 (paths, shapes, dtypes, trainable), optimizer config, keras-perf train-step settings, installed
 traced step, `jit_compile`/`steps_per_execution`/`run_eagerly` and global dtype policy. It is
-reset to what a fresh twin holds: the values of every variable of it, its optimizer (built when
-the twin was made, as its first `fit` would) and metrics as they were when it was made, then
-the user's current weights.
+reset to what a fresh twin holds: the values of every variable of it, its optimizer's (where
+built when the twin was made; else those a fresh optimizer of its configuration holds once
+built on the twin) and its metrics' as they were when it was made, then the user's current
+weights.
 
 Bounded: twins are kept for one model at a time (the last one `accelerate` measured; calling
 it on another model, recompiling or changing the model releases them, as does collecting the
@@ -29,9 +30,11 @@ import json
 import weakref
 
 import keras
+import numpy as np
 
 from keras_perf import backend as _backend
 from keras_perf._fit_measure import Snapshot, start_weights
+from keras_perf._utils import host_copy
 
 # The most the kept twins may hold: their variables' values and the host copies they are reset
 # from (so a 1 MiB float32 model with Adam costs about 6 MiB a twin).
@@ -74,7 +77,8 @@ class TwinPool:
         self.model = weakref.ref(model, _drop_if_last(id(self)))
         self.compile_config = compile_config  # held: its identity says "the same compile"
         self.signature = signature
-        self.twins = {}  # (candidate name, role) -> [(twin, snapshot, bytes)]
+        # (candidate name, role) -> [(twin, snapshot, bytes, optimizer in the snapshot)]
+        self.twins = {}
         self.in_use = set()  # ids of the twins this call has taken
         self.bytes = 0
 
@@ -84,12 +88,14 @@ class TwinPool:
         twins one candidate has in one call (timed; checked at dropout rate 0)."""
         key = (candidate.name, role)
         for entry in list(self.twins.get(key, ())):
-            twin, snapshot, _ = entry
+            twin, snapshot, _, optimizer_in_snapshot = entry
             if id(twin) in self.in_use:
                 continue
             try:
                 snapshot.restore()
                 start_weights(ctx.model, twin, ctx.start)
+                if not optimizer_in_snapshot:  # built by the twin's first fit, after the copy
+                    _fresh_optimizer_state(twin)
             except Exception:  # noqa: BLE001 - a twin that cannot be reset is made anew
                 self.forget(twin)
                 continue
@@ -101,19 +107,17 @@ class TwinPool:
         return twin
 
     def _keep(self, key, twin) -> None:
-        optimizer = getattr(twin, "optimizer", None)
         try:
-            if optimizer is not None and not optimizer.built:
-                # What the twin's first fit would do, so that the fresh slots are in the copy.
-                with _backend.model_scope(twin):
-                    optimizer.build(twin.trainable_variables)
             snapshot = Snapshot(twin)
-        except Exception:  # noqa: BLE001 - not kept; the twin's first fit builds as usual
+            optimizer_in_snapshot = bool(twin.optimizer.built)
+        except Exception:  # noqa: BLE001 - not kept
             return
         size = 2 * sum(value.nbytes for _, value in snapshot.pairs)
+        if not optimizer_in_snapshot:  # the slots its first fit makes (Adam: two per weight)
+            size += 2 * sum(_nbytes(v) for v in twin.trainable_variables)
         if self.bytes + size > MAX_BYTES:
             return
-        self.twins.setdefault(key, []).append((twin, snapshot, size))
+        self.twins.setdefault(key, []).append((twin, snapshot, size, optimizer_in_snapshot))
         self.in_use.add(id(twin))
         self.bytes += size
 
@@ -130,6 +134,32 @@ class TwinPool:
     def finish(self) -> None:
         """The end of a call: every kept twin is free for the next."""
         self.in_use.clear()
+
+
+def _nbytes(variable) -> int:
+    return int(np.prod(variable.shape)) * np.dtype(variable.dtype).itemsize
+
+
+def _fresh_optimizer_state(twin) -> None:
+    """The values a fresh optimizer of the twin's configuration holds once built on its
+    variables as they are now, in the twin's optimizer: `iterations` 0, fresh slots, and the
+    slots a fresh optimizer copies from the variables (`use_ema`'s averages) from the weights
+    just set. Raises where the two do not line up (the twin is then made anew)."""
+    optimizer = twin.optimizer
+    if not optimizer.built:  # its first fit builds it
+        return
+    with _backend.model_scope(twin):
+        fresh = type(optimizer).from_config(optimizer.get_config())
+        fresh.build(twin.trainable_variables)
+    old, new = list(optimizer.variables), list(fresh.variables)
+    if len(old) != len(new) or any(
+        tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype for a, b in zip(old, new)
+    ):
+        raise ValueError("the optimizer's variables do not line up with a fresh one's")
+    for a, b in zip(old, new):
+        # A host copy: JAX may hand two fresh zero slots one buffer, which its train step,
+        # donating each variable's buffer, would then be given twice.
+        a.assign(host_copy(b))
 
 
 _LAST: list = [None]  # the pool of the model last measured

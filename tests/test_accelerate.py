@@ -355,6 +355,25 @@ def test_a_kept_twins_optimizer_is_reset_to_a_fresh_ones_values():
     assert int(keras.ops.convert_to_numpy(opt.iterations)) == 0
 
 
+def test_a_model_keras_cannot_fit_twice_on_jax_gets_the_reason():
+    # Keras 3.15 on JAX: a use_ema model's second fit raises a TypeError; accelerate fits each
+    # twin several times and said only "fit rejects this data or model".
+    model = _mlp()
+    model.compile(keras.optimizers.Adam(use_ema=True), SCE)
+    x, y = _data(128)
+    twice = keras.models.clone_model(model)
+    twice.compile(keras.optimizers.Adam(use_ema=True), SCE)
+    try:
+        twice.fit(x, y, epochs=1, verbose=0)
+        twice.fit(x, y, epochs=1, verbose=0)
+    except TypeError:
+        with pytest.raises(ValueError, match="use_ema=False"):
+            kp.accelerate(model, x, y, batch_size=32, max_seconds=0.3, apply=False)
+    else:  # this Keras fits it twice (every backend but JAX, or a fixed Keras): measured
+        r = kp.accelerate(model, x, y, batch_size=32, max_seconds=0.3, apply=False)
+        assert r.rows and r.rows[0]["exact"] is True
+
+
 def test_twins_past_the_budget_are_not_kept(monkeypatch):
     from keras_perf.acceleration import _pool
 

@@ -223,6 +223,19 @@ def _entry(ctx, candidate, fit_kwargs, rows_out, checker, checks):
     return None
 
 
+def _base_failed(model, note) -> str:
+    """The error when the twin with the model's own settings cannot be fitted."""
+    message = f"accelerate: fit rejects this data or model: {note}"
+    if keras.backend.backend() == "jax" and getattr(model.optimizer, "use_ema", False):
+        message += (
+            ". If that is a TypeError from a variable's value: Keras on JAX cannot fit a model "
+            "whose optimizer has use_ema=True a second time (a plain model.fit twice raises "
+            "it too, Keras 3.15), and accelerate fits each twin several times; compile with "
+            "use_ema=False to measure the settings."
+        )
+    return message
+
+
 def _row(candidate, eps, exact_ok, diff, note=None, speedup=None):
     return {
         "candidate": candidate.name,
@@ -300,7 +313,7 @@ def _run(model, source, max_seconds, exact, apply, notes, per_batch=None, epoch_
             seconds=time.perf_counter() - t_start,
         )
     if base is None:
-        raise ValueError(f"accelerate: fit rejects this data or model: {rows[0]['note']}")
+        raise ValueError(_base_failed(model, rows[0]["note"]))
     entries = [base]
     for c in offered:
         kw = fit_kwargs if c.batch_size == B else source.fit_kwargs(batch_size=c.batch_size)

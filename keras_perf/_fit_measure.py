@@ -21,6 +21,7 @@ import warnings
 import keras
 import numpy as np
 
+from keras_perf import _keras_internals as keras_internals
 from keras_perf import backend as _backend
 from keras_perf._carry_over import keep_train_step
 from keras_perf._utils import host_copy
@@ -50,7 +51,7 @@ def compile_args(model) -> dict:
     with the model's own `run_eagerly`, `jit_compile` and (but on torch, where a value above 1
     comes only with keras-perf's installed traced step: `make_twin` sets it with that step)
     `steps_per_execution`."""
-    stored = getattr(model, "_compile_config", None)  # private; present since Keras 3.0
+    stored = keras_internals.compile_config(model)
     config = dict(getattr(stored, "config", {}) or {})
     keys = ("run_eagerly", "steps_per_execution", "jit_compile")
     if keras.backend.backend() == "torch":
@@ -407,11 +408,9 @@ def step_peak(model, batch) -> dict:
     compiles it and reads XLA's memory analysis. A model not trained yet (a new
     `kp.loss_scaled` twin) is built first, shapes only, as `fit` would build it.
     """
-    from keras_perf import _keras_internals
-
     x, y, sample_weight = batch
     with _backend.model_scope(model):
-        _keras_internals.symbolic_build(
+        keras_internals.symbolic_build(
             model, keras.tree.map_structure(lambda t: None if t is None else t[:1], batch)
         )
     result = _backend.step_memory(

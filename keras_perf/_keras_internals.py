@@ -287,6 +287,14 @@ def set_learning_rate_source(optimizer, value) -> None:
     optimizer._learning_rate = value
 
 
+def compile_config(model):
+    """The compile configuration Keras keeps for saving (`Trainer._compile_config`, since Keras
+    3.0; a new object at every `compile`), or None for a model never compiled. The arguments
+    `compile` was called with (`.config`) and, by identity, whether the model was compiled
+    again."""
+    return getattr(model, "_compile_config", None)
+
+
 def set_keras_seed(seed) -> None:
     """The Keras part of `keras.utils.set_random_seed(seed)` (Keras 3.8-3.15: the global seed
     in `global_state` and the global `SeedGenerator` dropped, to be made again from it), for

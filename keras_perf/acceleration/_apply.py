@@ -20,6 +20,7 @@ import warnings
 
 import keras
 
+from keras_perf import _keras_internals as keras_internals
 from keras_perf._utils import KerasPerfWarning
 
 COMPILE_SETTINGS = ("jit_compile", "steps_per_execution")
@@ -78,7 +79,7 @@ def apply(model, settings) -> None:
     for key in COMPILE_SETTINGS:
         if key in settings:
             setattr(model, key, settings[key])
-    stored = getattr(model, "_compile_config", None)  # private; present since Keras 3.0
+    stored = keras_internals.compile_config(model)
     config = getattr(stored, "config", None)
     if isinstance(config, dict):
         for key in COMPILE_SETTINGS:

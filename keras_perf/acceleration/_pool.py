@@ -3,7 +3,7 @@
 Why: every fresh twin's first `fit` traces and compiles its train function, and some of what
 that leaves is never freed. On TensorFlow each program XLA compiles stays for the life of the
 process (6 MiB for a small MLP's `jit_compile=True` train function) and each other trace keeps
-about 0.4 MiB (TF 2.21, Keras 3.15; FACTS.md); a call times about a dozen twins, so a notebook
+about 0.4 MiB (TF 2.21, Keras 3.15; docs/diagnose.md); a call times about a dozen twins, so a notebook
 calling `accelerate` again and again on one model grew by 11-12 MiB a call. A twin that is
 kept is reset and fitted again with the function it already traced: nothing new is compiled.
 
@@ -32,6 +32,7 @@ import weakref
 import keras
 import numpy as np
 
+from keras_perf import _keras_internals as keras_internals
 from keras_perf import backend as _backend
 from keras_perf._fit_measure import Snapshot, start_weights
 from keras_perf._utils import host_copy
@@ -142,9 +143,9 @@ def _nbytes(variable) -> int:
 
 def _fresh_optimizer_state(twin) -> None:
     """The values a fresh optimizer of the twin's configuration holds once built on its
-    variables as they are now, in the twin's optimizer: `iterations` 0, fresh slots, and the
-    slots a fresh optimizer copies from the variables (`use_ema`'s averages) from the weights
-    just set. Raises where the two do not line up (the twin is then made anew)."""
+    variables, in the twin's optimizer: `iterations` 0 and fresh slots (`use_ema`'s averages
+    then take the weights at the first step, as a fresh optimizer's do). Raises where the two
+    do not line up (the twin is then made anew)."""
     optimizer = twin.optimizer
     if not optimizer.built:  # its first fit builds it
         return
@@ -176,7 +177,7 @@ def _drop_if_last(pool_id):
 def pool_for(model, compile_args) -> TwinPool:
     """The pool for a call of `accelerate` on `model`: the last call's, where it was on this
     model made from the same things; else a new one (the old one's twins are released)."""
-    compile_config = getattr(model, "_compile_config", None)  # private; since Keras 3.0
+    compile_config = keras_internals.compile_config(model)
     signature = _signature(model, compile_args) if compile_config is not None else None
     last = _LAST[0]
     if (

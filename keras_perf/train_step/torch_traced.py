@@ -66,10 +66,7 @@ if keras.backend.backend() != "torch":  # a train-step backend module, as torch.
 import torch  # noqa: E402
 from torch.fx.experimental.proxy_tensor import make_fx  # noqa: E402
 
-from keras_perf._keras_internals import (  # noqa: E402
-    held_values,
-    torch_spatial_transposes_as_views,
-)
+from keras_perf import _keras_internals as keras_internals  # noqa: E402
 from keras_perf._utils import KerasPerfWarning  # noqa: E402
 from keras_perf.train_step import _torch_executions as executions  # noqa: E402
 from keras_perf.train_step._base import TrainStepBase  # noqa: E402
@@ -212,7 +209,7 @@ class _TracedStep:
         self.installed = installed
         self.reason = None
         self.cache = {}
-        self.compile_config = getattr(model, "_compile_config", None)
+        self.compile_config = keras_internals.compile_config(model)
         self.optimizer = model.optimizer
         self.lists_key = None
 
@@ -259,7 +256,7 @@ class _TracedStep:
         """False (and the model back to Keras' own step) once the model was compiled again."""
         model = self.model
         if (
-            getattr(model, "_compile_config", None) is not self.compile_config
+            keras_internals.compile_config(model) is not self.compile_config
             or model.optimizer is not self.optimizer
         ) and (self.reason is None or not self.installed):
             if not self.installed:  # the `traced_step` setting: it holds for the new compile
@@ -296,7 +293,7 @@ class _TracedStep:
                 return self.fall_back(
                     f"tracing the step failed ({type(e).__name__}: {_first_line(e)})", data
                 )
-        values = held_values(self.variables)
+        values = keras_internals.held_values(self.variables)
         with torch.no_grad():
             if isinstance(entry, _SplitStep):
                 try:
@@ -415,7 +412,7 @@ class _TracedStep:
             try:
                 # Images in the memory layout they come in: no channels-first copies around
                 # each convolution and pooling (`_keras_internals`; 2.5x on a small CNN here).
-                with torch_spatial_transposes_as_views():
+                with keras_internals.torch_spatial_transposes_as_views():
                     graph = make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(
                         *values, *flat
                     )

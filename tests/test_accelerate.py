@@ -315,21 +315,21 @@ def test_kept_twins_go_with_a_recompile_a_change_of_the_model_or_the_model_itsel
     model = _mlp()
     x, y = _data(64)
     model.fit(x, y, epochs=1, verbose=0)
-    first = _pool.pool_for(model, compile_args(model))
+    first = _pool.pool_for(model)
     assert first.signature is not None
-    assert _pool.pool_for(model, compile_args(model)) is first  # nothing changed
+    assert _pool.pool_for(model) is first  # nothing changed
     model.optimizer.learning_rate = 0.5
-    changed = _pool.pool_for(model, compile_args(model))
+    changed = _pool.pool_for(model)
     assert changed is not first
     model.layers[0].trainable = False
-    frozen = _pool.pool_for(model, compile_args(model))
+    frozen = _pool.pool_for(model)
     assert frozen is not changed
     model.compile("adam", SCE)  # a recompile: a new compile config
-    recompiled = _pool.pool_for(model, compile_args(model))
+    recompiled = _pool.pool_for(model)
     assert recompiled is not frozen
     other = _mlp()
     other.fit(x, y, epochs=1, verbose=0)
-    assert _pool.pool_for(other, compile_args(other)) is not recompiled  # one model at a time
+    assert _pool.pool_for(other) is not recompiled  # one model at a time
     del other
     gc.collect()
     assert _pool._LAST[0] is None  # released with the model

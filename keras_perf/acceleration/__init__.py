@@ -43,7 +43,7 @@ class _Context:
         self.examples = examples
         self.epoch_steps = epoch_steps  # steps of one epoch of the user's fit (None: unknown)
         self.start = None  # a model not built yet: the batch and weights every twin starts from
-        self.twins = _pool.pool_for(model, self.compile_args)  # kept from the last call
+        self.twins = _pool.pool_for(model)  # kept from the last call
 
     def epoch(self, batch_size):
         """(steps, examples) of one epoch of the user's fit at `batch_size`; where the epoch's

@@ -30,7 +30,6 @@ import json
 import weakref
 
 import keras
-import numpy as np
 
 from keras_perf import _keras_internals as keras_internals
 from keras_perf import backend as _backend
@@ -42,7 +41,7 @@ from keras_perf._utils import host_copy
 MAX_BYTES = 64 * 2**20
 
 
-def _signature(model, compile_args):
+def _signature(model):
     """What a kept twin was made from, or None where it cannot be read (nothing is kept)."""
     from keras_perf.train_step import LossScaleTrainStep, installed_traced_step, settings
 
@@ -56,7 +55,9 @@ def _signature(model, compile_args):
     )
     step = repr(sorted(settings(model).items())) if isinstance(model, LossScaleTrainStep) else None
     traced = installed_traced_step(model) if keras.backend.backend() == "torch" else False
-    own = tuple(repr(compile_args.get(k)) for k in ("jit_compile", "steps_per_execution"))
+    own = tuple(
+        repr(getattr(model, k, None)) for k in ("jit_compile", "steps_per_execution", "run_eagerly")
+    )
     return (
         config,
         optimizer,
@@ -64,8 +65,6 @@ def _signature(model, compile_args):
         step,
         traced,
         own,
-        repr(getattr(model, "run_eagerly", None)),
-        repr(getattr(model, "steps_per_execution", None)),
         keras.mixed_precision.global_policy().name,
     )
 
@@ -115,7 +114,8 @@ class TwinPool:
             return
         size = 2 * sum(value.nbytes for _, value in snapshot.pairs)
         if not optimizer_in_snapshot:  # the slots its first fit makes (Adam: two per weight)
-            size += 2 * sum(_nbytes(v) for v in twin.trainable_variables)
+            trainable = {id(v) for v in twin.trainable_variables}
+            size += 2 * sum(value.nbytes for v, value in snapshot.pairs if id(v) in trainable)
         if self.bytes + size > MAX_BYTES:
             return
         self.twins.setdefault(key, []).append((twin, snapshot, size, optimizer_in_snapshot))
@@ -135,10 +135,6 @@ class TwinPool:
     def finish(self) -> None:
         """The end of a call: every kept twin is free for the next."""
         self.in_use.clear()
-
-
-def _nbytes(variable) -> int:
-    return int(np.prod(variable.shape)) * np.dtype(variable.dtype).itemsize
 
 
 def _fresh_optimizer_state(twin) -> None:
@@ -174,11 +170,11 @@ def _drop_if_last(pool_id):
     return drop
 
 
-def pool_for(model, compile_args) -> TwinPool:
+def pool_for(model) -> TwinPool:
     """The pool for a call of `accelerate` on `model`: the last call's, where it was on this
     model made from the same things; else a new one (the old one's twins are released)."""
     compile_config = keras_internals.compile_config(model)
-    signature = _signature(model, compile_args) if compile_config is not None else None
+    signature = _signature(model) if compile_config is not None else None
     last = _LAST[0]
     if (
         last is not None

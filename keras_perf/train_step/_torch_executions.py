@@ -7,6 +7,8 @@ step's logs (the metrics accumulate), prediction joins the batches' outputs.
 
 from __future__ import annotations
 
+import contextlib
+
 import keras
 import torch
 
@@ -28,23 +30,19 @@ def function(model, kind: str, force: bool):
     return cached
 
 
-def _train(model):
-    def multi_step(data):
-        for batch in data:
-            logs = model.train_step(batch)
-        return logs
+def _steps(step: str, grad: bool):
+    """Training (`train_step`, with gradients) or evaluation (`test_step`, without)."""
 
-    return multi_step
+    def make(model):
+        def multi(data):
+            with contextlib.nullcontext() if grad else torch.no_grad():
+                for batch in data:
+                    logs = getattr(model, step)(batch)
+            return logs
 
+        return multi
 
-def _test(model):
-    def multi_test(data):
-        with torch.no_grad():
-            for batch in data:
-                logs = model.test_step(batch)
-        return logs
-
-    return multi_test
+    return make
 
 
 def _predict(model):
@@ -58,4 +56,8 @@ def _predict(model):
     return multi_predict
 
 
-_MAKERS = {"train": _train, "test": _test, "predict": _predict}
+_MAKERS = {
+    "train": _steps("train_step", True),
+    "test": _steps("test_step", False),
+    "predict": _predict,
+}
